@@ -1,0 +1,78 @@
+"""Actions: what the runtime must do next (imperative). The machine only computes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfsm.protocol.wire import AuxWritten, ChunkWritten, Message
+
+
+@dataclass(frozen=True, slots=True)
+class SendMessage:
+    """Send ``message`` on the control plane to rank ``peer_rank`` of the other side."""
+
+    peer_rank: int
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class PostWrite:
+    """Write the KV of ``src_pages`` (local) into ``dst_pages`` of ``dest_rank``, then deliver
+    ``notification`` to it. Report WriteCompleted(dest_rank, chunk_id) or WriteFailed."""
+
+    room: int
+    dest_rank: int
+    chunk_id: int
+    src_pages: tuple[int, ...]
+    dst_pages: tuple[int, ...]
+    notification: ChunkWritten
+
+
+@dataclass(frozen=True, slots=True)
+class PostAuxWrite:
+    """Write local aux slot ``src_slot`` into aux slot ``dst_slot`` of ``dest_rank``, then
+    deliver ``notification``. Report WriteCompleted(dest_rank, AUX_WRITE) or WriteFailed."""
+
+    room: int
+    dest_rank: int
+    src_slot: int
+    dst_slot: int
+    notification: AuxWritten
+
+
+@dataclass(frozen=True, slots=True)
+class SetTimer:
+    """(Re-)arm timer ``timer`` of this room to fire at ``deadline`` (same clock as ``now``)."""
+
+    timer: str
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTimer:
+    timer: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecordIgnored:
+    """An event was accepted and dropped on purpose (duplicate, late); count and log it."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecordProtocolError:
+    """A remote event no row accepted: the room failed; count and log it."""
+
+    reason: str
+
+
+Action = (
+    SendMessage
+    | PostWrite
+    | PostAuxWrite
+    | SetTimer
+    | CancelTimer
+    | RecordIgnored
+    | RecordProtocolError
+)

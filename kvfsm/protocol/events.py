@@ -1,0 +1,173 @@
+"""Events: what happened to a room (past tense). Declared in spec/events.toml.
+
+Each class carries ``trigger`` (the spec trigger name) and ``cause`` (local or remote). A test
+checks that these classes and spec/events.toml agree field for field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+Cause = Literal["local", "remote"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkReady:
+    pages: tuple[int, ...]
+    is_last: bool
+    aux_slot: int | None = None
+    trigger: ClassVar[str] = "chunk_ready"
+    cause: ClassVar[Cause] = "local"
+
+
+@dataclass(frozen=True, slots=True)
+class PagesAllocated:
+    pages: tuple[int, ...]
+    aux_slot: int
+    trigger: ClassVar[str] = "pages_allocated"
+    cause: ClassVar[Cause] = "local"
+
+
+@dataclass(frozen=True, slots=True)
+class PeersReady:
+    trigger: ClassVar[str] = "peers_ready"
+    cause: ClassVar[Cause] = "local"
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    reason: str = "aborted by engine"
+    trigger: ClassVar[str] = "abort"
+    cause: ClassVar[Cause] = "local"
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    trigger: ClassVar[str] = "clear"
+    cause: ClassVar[Cause] = "local"
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired:
+    """A timer reached its deadline. Its trigger is the timer's own (spec ``[timers.X].trigger``)."""
+
+    timer: str
+    cause: ClassVar[Cause] = "local"
+
+    @property
+    def trigger(self) -> str:  # type: ignore[override]
+        return f"{self.timer}_timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class PagesAnnounced:
+    dest_rank: int
+    pages: tuple[int, ...]
+    aux_slot: int
+    required_dests: int
+    peer_kv_pages: int
+    peer_aux_slots: int
+    trigger: ClassVar[str] = "pages_announced"
+    cause: ClassVar[Cause] = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class WriteCompleted:
+    dest_rank: int
+    chunk_id: int  # -1: the aux write
+    trigger: ClassVar[str] = "write_completed"
+    cause: ClassVar[Cause] = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class WriteFailed:
+    dest_rank: int
+    chunk_id: int
+    reason: str
+    trigger: ClassVar[str] = "write_failed"
+    cause: ClassVar[Cause] = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkArrived:
+    src: int
+    chunk_id: int
+    is_last: bool
+    page_start: int
+    num_pages: int
+    trigger: ClassVar[str] = "chunk_arrived"
+    cause: ClassVar[Cause] = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class AuxArrived:
+    src: int
+    trigger: ClassVar[str] = "aux_arrived"
+    cause: ClassVar[Cause] = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class AbortReceived:
+    rank: int
+    side: str
+    reason: str
+    trigger: ClassVar[str] = "abort_received"
+    cause: ClassVar[Cause] = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class FailureReceived:
+    prefill_rank: int
+    reason: str
+    trigger: ClassVar[str] = "failure_received"
+    cause: ClassVar[Cause] = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLost:
+    peer_rank: int
+    reason: str
+    trigger: ClassVar[str] = "peer_lost"
+    cause: ClassVar[Cause] = "remote"
+
+
+Event = (
+    ChunkReady
+    | PagesAllocated
+    | PeersReady
+    | Abort
+    | Clear
+    | TimerFired
+    | PagesAnnounced
+    | WriteCompleted
+    | WriteFailed
+    | ChunkArrived
+    | AuxArrived
+    | AbortReceived
+    | FailureReceived
+    | PeerLost
+)
+
+EVENT_CLASSES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        ChunkReady,
+        PagesAllocated,
+        PeersReady,
+        Abort,
+        Clear,
+        TimerFired,
+        PagesAnnounced,
+        WriteCompleted,
+        WriteFailed,
+        ChunkArrived,
+        AuxArrived,
+        AbortReceived,
+        FailureReceived,
+        PeerLost,
+    )
+}
+
+AUX_WRITE = -1
+"""chunk_id of the aux write in WriteCompleted / WriteFailed."""

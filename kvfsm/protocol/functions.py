@@ -1,0 +1,437 @@
+"""Guard and action functions named in spec/*.toml.
+
+Theory of operation: a guard is ``guard(room, event) -> bool`` and must be pure. An action is
+``action(room, event, ctx, arg)``: it updates the room's declared fields and appends the actions
+the runtime must carry out to ``ctx.out``. Neither ever sends, sleeps, reads a clock or touches
+memory; time is ``ctx.now``. ``arg`` is the text after ``:`` in the spec (``arm:transfer``).
+
+The registry maps spec names to functions; an unknown name fails when machines are built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfsm.protocol.actions import (
+    Action,
+    CancelTimer,
+    PostAuxWrite,
+    PostWrite,
+    RecordIgnored,
+    SendMessage,
+    SetTimer,
+)
+from kvfsm.protocol.events import AUX_WRITE, ChunkReady
+from kvfsm.protocol.rooms import Announcement, DecodeRoom, PrefillRoom
+from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, RoomFailed, RoomPages
+
+
+@dataclass(slots=True)
+class StepContext:
+    now: float
+    timeouts: dict[str, float]
+    source: str = ""  # the state the room was in when the event arrived
+    error: str = ""  # set for the on_remote_error row: why no row accepted the event
+    out: list[Action] = field(default_factory=list)
+
+
+Guard = Callable[[Any, Any], bool]
+ActionFn = Callable[[Any, Any, StepContext, str], None]
+
+GUARDS: dict[str, Guard] = {}
+ACTIONS: dict[str, ActionFn] = {}
+EXPLAIN: dict[str, Callable[[Any, Any], str]] = {}
+
+
+def guard(fn: Guard) -> Guard:
+    GUARDS[fn.__name__] = fn
+    return fn
+
+
+def action(name: str) -> Callable[[ActionFn], ActionFn]:
+    def register(fn: ActionFn) -> ActionFn:
+        ACTIONS[name] = fn
+        return fn
+
+    return register
+
+
+def _distinct(pages: tuple[int, ...]) -> bool:
+    return len(set(pages)) == len(pages)
+
+
+# ====================================================================== prefill guards
+
+
+@guard
+def announce_repeat(room: PrefillRoom, ev: Any) -> bool:
+    """The same decode rank announced exactly this before (a duplicated room_pages)."""
+    known = room.dests.get(ev.dest_rank)
+    return (
+        known is not None
+        and known.pages == ev.pages
+        and known.aux_slot == ev.aux_slot
+        and room.required_dests == ev.required_dests
+    )
+
+
+def _announce_problem(room: PrefillRoom, ev: Any) -> str:
+    if ev.peer_kv_pages == 0:
+        return f"decode rank {ev.dest_rank} announced pages without a registered region"
+    if ev.dest_rank in room.dests:
+        return f"decode rank {ev.dest_rank} announced different pages twice"
+    if ev.required_dests < 1 or (room.required_dests and ev.required_dests != room.required_dests):
+        return f"required_dests {ev.required_dests} disagrees with {room.required_dests or 'at least 1'}"
+    if len(room.dests) >= ev.required_dests:
+        return f"more than {ev.required_dests} decode ranks announced"
+    bad = [p for p in ev.pages if p >= ev.peer_kv_pages]
+    if bad:
+        return f"pages {bad[:4]} outside decode rank {ev.dest_rank}'s {ev.peer_kv_pages} registered pages"
+    if not _distinct(ev.pages):
+        return "a page is announced twice"
+    if ev.aux_slot >= ev.peer_aux_slots:
+        return f"aux slot {ev.aux_slot} outside {ev.peer_aux_slots} registered slots"
+    lengths = {len(a.pages) for a in room.dests.values()}
+    if lengths and len(ev.pages) not in lengths:
+        return f"{len(ev.pages)} pages announced, other decode ranks announced {sorted(lengths)}"
+    return ""
+
+
+@guard
+def announce_valid(room: PrefillRoom, ev: Any) -> bool:
+    """room_pages is within the peer's registered region and consistent with earlier ones."""
+    return not _announce_problem(room, ev)
+
+
+EXPLAIN["invalid room_pages"] = _announce_problem
+
+
+@guard
+def announce_completes(room: PrefillRoom, ev: Any) -> bool:
+    """With this announcement every expected decode rank has announced."""
+    return len(room.dests) + 1 == ev.required_dests
+
+
+def _fits(room: PrefillRoom, dests: list[Announcement], pages_before: int, chunks: list[ChunkReady]) -> bool:
+    total = pages_before + sum(len(c.pages) for c in chunks)
+    last = any(c.is_last for c in chunks)
+    return all(total <= len(d.pages) and (not last or total == len(d.pages)) for d in dests)
+
+
+@guard
+def held_fit_after_announce(room: PrefillRoom, ev: Any) -> bool:
+    """The held chunks fit the pages of every decode rank (exactly, if the last one is held)."""
+    dests = [*room.dests.values(), Announcement(ev.pages, ev.aux_slot)]
+    return _fits(room, dests, room.cursor, room.held)
+
+
+@guard
+def held_has_last(room: PrefillRoom, ev: Any) -> bool:
+    return any(c.is_last for c in room.held)
+
+
+def _chunk_problem(room: PrefillRoom, ev: ChunkReady) -> str:
+    if room.last_seen:
+        return "send() after the last chunk"
+    if not ev.pages and not ev.is_last:
+        return "an empty chunk that is not the last"
+    if ev.is_last != (ev.aux_slot is not None):
+        return "the last chunk, and only the last, carries aux_slot"
+    if ev.aux_slot is not None and not 0 <= ev.aux_slot < room.aux_slots:
+        return f"aux_slot {ev.aux_slot} outside the {room.aux_slots} registered slots"
+    if any(not 0 <= p < room.kv_pages for p in ev.pages):
+        return f"pages outside the {room.kv_pages} registered pages"
+    if not _distinct(ev.pages):
+        return "a page appears twice in one chunk"
+    return ""
+
+
+@guard
+def chunk_ok(room: PrefillRoom, ev: ChunkReady) -> bool:
+    """The engine's chunk is well formed (local pages registered, aux on the last chunk only)."""
+    return not _chunk_problem(room, ev)
+
+
+EXPLAIN["chunk_ok"] = _chunk_problem
+
+
+@guard
+def chunk_fits(room: PrefillRoom, ev: ChunkReady) -> bool:
+    """The chunk fits every announcement; the last one ends exactly at the announced page count."""
+    return _fits(room, list(room.dests.values()), room.cursor, [ev])
+
+
+@guard
+def chunk_is_last(room: PrefillRoom, ev: ChunkReady) -> bool:
+    return ev.is_last
+
+
+@guard
+def write_pending(room: PrefillRoom, ev: Any) -> bool:
+    return (ev.dest_rank, ev.chunk_id) in room.inflight
+
+
+@guard
+def write_is_final(room: PrefillRoom, ev: Any) -> bool:
+    """This completion is the only write still outstanding (everything else already completed)."""
+    return len(room.inflight) == 1 and (ev.dest_rank, ev.chunk_id) in room.inflight
+
+
+# ====================================================================== prefill actions
+
+
+@action("record_dest")
+def record_dest(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    room.dests[ev.dest_rank] = Announcement(ev.pages, ev.aux_slot)
+    room.required_dests = ev.required_dests
+
+
+@action("hold_chunk")
+def hold_chunk(room: PrefillRoom, ev: ChunkReady, ctx: StepContext, arg: str) -> None:
+    room.held.append(ev)
+    room.last_seen = ev.is_last
+
+
+def _post(room: PrefillRoom, chunk: ChunkReady, ctx: StepContext) -> None:
+    chunk_id = room.next_chunk
+    n = len(chunk.pages)
+    start = room.cursor
+    for dest, ann in sorted(room.dests.items()):
+        note = ChunkWritten(room.room, room.rank, chunk_id, chunk.is_last, start, n)
+        ctx.out.append(PostWrite(room.room, dest, chunk_id, chunk.pages, ann.pages[start : start + n], note))
+        room.inflight.add((dest, chunk_id))
+        if chunk.is_last:
+            assert chunk.aux_slot is not None  # chunk_ok
+            aux_note = AuxWritten(room.room, room.rank)
+            ctx.out.append(PostAuxWrite(room.room, dest, chunk.aux_slot, ann.aux_slot, aux_note))
+            room.inflight.add((dest, AUX_WRITE))
+    room.cursor = start + n
+    room.next_chunk = chunk_id + 1
+    room.last_seen = chunk.is_last
+
+
+@action("post_chunk")
+def post_chunk(room: PrefillRoom, ev: ChunkReady, ctx: StepContext, arg: str) -> None:
+    _post(room, ev, ctx)
+
+
+@action("post_held")
+def post_held(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    held, room.held = room.held, []
+    for chunk in held:
+        _post(room, chunk, ctx)
+
+
+@action("complete_write")
+def complete_write(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    room.inflight.discard((ev.dest_rank, ev.chunk_id))
+
+
+@action("tell_decode")
+def tell_decode(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    """Tell every decode rank that announced (and so holds pages for this room) why it failed."""
+    reason = room.failure or arg
+    for dest in sorted(room.dests):
+        ctx.out.append(SendMessage(dest, _prefill_notice(room, arg, reason)))
+
+
+@action("tell_announcer")
+def tell_announcer(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    ctx.out.append(SendMessage(ev.dest_rank, _prefill_notice(room, arg, room.failure or arg)))
+
+
+def _prefill_notice(room: PrefillRoom, kind: str, reason: str) -> AbortNotice | RoomFailed:
+    if kind == "aborted":
+        return AbortNotice(room.room, room.rank, "prefill", reason)
+    return RoomFailed(room.room, room.rank, reason)
+
+
+# ====================================================================== decode guards
+
+
+@guard
+def alloc_ok(room: DecodeRoom, ev: Any) -> bool:
+    """The engine's pages and aux slot lie in this rank's registered region, pages distinct."""
+    return (
+        all(0 <= p < room.kv_pages for p in ev.pages)
+        and _distinct(ev.pages)
+        and 0 <= ev.aux_slot < room.aux_slots
+    )
+
+
+EXPLAIN["alloc_ok"] = lambda room, ev: (
+    "" if alloc_ok(room, ev) else f"pages or aux slot outside the registered {room.kv_pages} pages / {room.aux_slots} slots, or a page twice"
+)
+
+
+@guard
+def chunk_repeat(room: DecodeRoom, ev: Any) -> bool:
+    got = room.received.get(ev.src, {}).get(ev.chunk_id)
+    return got == (ev.page_start, ev.num_pages, ev.is_last)
+
+
+def _chunk_notice_problem(room: DecodeRoom, ev: Any) -> str:
+    if ev.src not in room.sources:
+        return f"notification from prefill rank {ev.src}, expected {list(room.sources)}"
+    got = room.received.get(ev.src, {})
+    if ev.chunk_id in got:
+        return f"chunk {ev.chunk_id} from rank {ev.src} notified twice with different contents"
+    count = room.last_count.get(ev.src)
+    if ev.is_last:
+        if count is not None:
+            return f"a second last chunk from rank {ev.src}"
+        if got and max(got) > ev.chunk_id:
+            return f"last chunk id {ev.chunk_id} below an already received id {max(got)}"
+    elif count is not None and ev.chunk_id >= count:
+        return f"chunk id {ev.chunk_id} beyond the last chunk ({count} chunks)"
+    if ev.page_start + ev.num_pages > len(room.pages):
+        return f"pages [{ev.page_start}, {ev.page_start + ev.num_pages}) outside the {len(room.pages)} announced"
+    return ""
+
+
+@guard
+def chunk_valid(room: DecodeRoom, ev: Any) -> bool:
+    """Known source, no conflicting duplicate, ids below the last chunk's, pages inside the announcement."""
+    return not _chunk_notice_problem(room, ev)
+
+
+EXPLAIN["invalid chunk notification"] = _chunk_notice_problem
+
+
+def _source_done(room: DecodeRoom, src: int, ev: Any) -> bool:
+    got = room.received.get(src, {})
+    count = room.last_count.get(src)
+    n_got = len(got)
+    aux = src in room.aux_done
+    if ev.trigger == "chunk_arrived" and ev.src == src:
+        n_got += 1
+        if ev.is_last:
+            count = ev.chunk_id + 1
+    elif ev.trigger == "aux_arrived" and ev.src == src:
+        aux = True
+    return aux and count is not None and n_got == count
+
+
+@guard
+def completes_room(room: DecodeRoom, ev: Any) -> bool:
+    """With this notification, every expected source delivered chunks 0..n-1 and its aux."""
+    return all(_source_done(room, src, ev) for src in room.sources)
+
+
+@guard
+def coverage_exact(room: DecodeRoom, ev: Any) -> bool:
+    """Each source's chunks, in id order, partition the announced pages exactly (no gap, no overlap)."""
+    for src in room.sources:
+        chunks = dict(room.received.get(src, {}))
+        if ev.trigger == "chunk_arrived" and ev.src == src:
+            chunks[ev.chunk_id] = (ev.page_start, ev.num_pages, ev.is_last)
+        cursor = 0
+        for cid in sorted(chunks):
+            start, n, _ = chunks[cid]
+            if start != cursor:
+                return False
+            cursor += n
+        if cursor != len(room.pages):
+            return False
+    return True
+
+
+@guard
+def source_expected(room: DecodeRoom, ev: Any) -> bool:
+    return ev.src in room.sources
+
+
+@guard
+def aux_repeat(room: DecodeRoom, ev: Any) -> bool:
+    return ev.src in room.aux_done
+
+
+# ====================================================================== decode actions
+
+
+@action("record_alloc")
+def record_alloc(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    room.pages = ev.pages
+    room.aux_slot = ev.aux_slot
+
+
+@action("announce_pages")
+def announce_pages(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    for src in room.sources:
+        msg = RoomPages(room.room, room.rank, room.pages, room.aux_slot, room.required_dests)
+        ctx.out.append(SendMessage(src, msg))
+
+
+@action("record_chunk")
+def record_chunk(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    room.received.setdefault(ev.src, {})[ev.chunk_id] = (ev.page_start, ev.num_pages, ev.is_last)
+    if ev.is_last:
+        room.last_count[ev.src] = ev.chunk_id + 1
+
+
+@action("record_aux")
+def record_aux(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    room.aux_done.add(ev.src)
+
+
+@action("tell_prefill")
+def tell_prefill(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    """ABORT to every source (SGLang D9/D11) so prefill stops writing into our pages."""
+    for src in room.sources:
+        ctx.out.append(SendMessage(src, AbortNotice(room.room, room.rank, "decode", room.failure or arg)))
+
+
+# ====================================================================== shared actions
+
+
+@action("arm")
+def arm(room: Any, ev: Any, ctx: StepContext, arg: str) -> None:
+    room.timers.add(arg)
+    ctx.out.append(SetTimer(arg, ctx.now + ctx.timeouts[arg]))
+
+
+@action("arm_once")
+def arm_once(room: Any, ev: Any, ctx: StepContext, arg: str) -> None:
+    if arg not in room.timers:
+        arm(room, ev, ctx, arg)
+
+
+@action("cancel")
+def cancel(room: Any, ev: Any, ctx: StepContext, arg: str) -> None:
+    if arg in room.timers:
+        room.timers.discard(arg)
+        ctx.out.append(CancelTimer(arg))
+
+
+@action("cancel_timers")
+def cancel_timers(room: Any, ev: Any, ctx: StepContext, arg: str) -> None:
+    for t in sorted(room.timers):
+        ctx.out.append(CancelTimer(t))
+    room.timers.clear()
+
+
+@action("ignore")
+def ignore(room: Any, ev: Any, ctx: StepContext, arg: str) -> None:
+    ctx.out.append(RecordIgnored(f"{arg} ({ev.trigger} in {ctx.source})"))
+
+
+def _event_detail(ev: Any, ctx: StepContext) -> str:
+    if ev.trigger.endswith("_timeout"):
+        return f"{ev.timer} timer expired in {ctx.source}"
+    reason = getattr(ev, "reason", None)
+    if reason is not None:
+        return f"{ev.trigger}: {reason}"
+    return f"{ev.trigger} in {ctx.source}"
+
+
+@action("fail")
+def fail(room: Any, ev: Any, ctx: StepContext, arg: str) -> None:
+    """Record why the room failed. The reason is what failure_exception() reports."""
+    if arg == "protocol_error":
+        detail = ctx.error
+    else:
+        explain = EXPLAIN.get(arg)
+        detail = (explain(room, ev) if explain else "") or _event_detail(ev, ctx)
+    room.failure = f"{arg}: {detail}"

@@ -1,0 +1,196 @@
+"""Wire messages and their codec (declared in spec/messages.toml).
+
+Every message travels as a JSON envelope ``{"v": version, "t": name, **fields}`` encoded UTF-8.
+No pickle, ever: a peer's bytes are data. ``decode`` validates the exact field set, the declared
+types and ranges, and raises ``MalformedMessage`` / ``UnsupportedVersion``; callers drop and count.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+from kvfsm.protocol.errors import MalformedMessage, SpecError, UnsupportedVersion
+
+MAX_STR = 1024
+MAX_LIST = 1 << 20
+U32 = 1 << 32
+U64 = 1 << 63
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    decode_rank: int
+    region: str
+    kv_pages: int
+    page_bytes: int
+    aux_slots: int
+    aux_slot_bytes: int
+    TYPE: ClassVar[str] = "register"
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterAck:
+    prefill_rank: int
+    page_bytes: int
+    aux_slot_bytes: int
+    accepted: bool
+    reason: str
+    TYPE: ClassVar[str] = "register_ack"
+
+
+@dataclass(frozen=True, slots=True)
+class RoomPages:
+    room: int
+    decode_rank: int
+    pages: tuple[int, ...]
+    aux_slot: int
+    required_dests: int
+    TYPE: ClassVar[str] = "room_pages"
+
+
+@dataclass(frozen=True, slots=True)
+class AbortNotice:
+    room: int
+    rank: int
+    side: str
+    reason: str
+    TYPE: ClassVar[str] = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class RoomFailed:
+    room: int
+    prefill_rank: int
+    reason: str
+    TYPE: ClassVar[str] = "room_failed"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkWritten:
+    room: int
+    src: int
+    chunk_id: int
+    is_last: bool
+    page_start: int
+    num_pages: int
+    TYPE: ClassVar[str] = "chunk_written"
+
+
+@dataclass(frozen=True, slots=True)
+class AuxWritten:
+    room: int
+    src: int
+    TYPE: ClassVar[str] = "aux_written"
+
+
+Message = Register | RegisterAck | RoomPages | AbortNotice | RoomFailed | ChunkWritten | AuxWritten
+
+MESSAGE_CLASSES: dict[str, type[Any]] = {
+    cls.TYPE: cls
+    for cls in (Register, RegisterAck, RoomPages, AbortNotice, RoomFailed, ChunkWritten, AuxWritten)
+}
+
+
+def _check_uint(limit: int) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if type(v) is not int or not 0 <= v < limit:
+            raise ValueError(f"expected an integer in [0, {limit})")
+        return v
+
+    return check
+
+
+def _check_bool(v: Any) -> Any:
+    if type(v) is not bool:
+        raise ValueError("expected a boolean")
+    return v
+
+
+def _check_str(v: Any) -> Any:
+    if type(v) is not str or len(v) > MAX_STR:
+        raise ValueError(f"expected a string of at most {MAX_STR} characters")
+    return v
+
+
+def _check_u32_list(v: Any) -> Any:
+    if type(v) is not list or len(v) > MAX_LIST:
+        raise ValueError(f"expected a list of at most {MAX_LIST} u32")
+    for x in v:
+        if type(x) is not int or not 0 <= x < U32:
+            raise ValueError("expected a list of u32")
+    return tuple(v)
+
+
+FIELD_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "u32": _check_uint(U32),
+    "u64": _check_uint(U64),
+    "bool": _check_bool,
+    "str": _check_str,
+    "list[u32]": _check_u32_list,
+}
+
+
+class Codec:
+    """Encodes and validates messages of one protocol version against spec/messages.toml."""
+
+    def __init__(self, version: int, message_fields: dict[str, dict[str, str]]) -> None:
+        self.version = version
+        self._checks: dict[str, tuple[type[Any], tuple[tuple[str, Callable[[Any], Any]], ...]]] = {}
+        for name, cls in MESSAGE_CLASSES.items():
+            declared = message_fields.get(name)
+            if declared is None:
+                raise SpecError(f"message {name!r} has a class but is not declared in spec/messages.toml")
+            names = [f.name for f in fields(cls)]
+            if names != list(declared):
+                raise SpecError(f"message {name!r}: class fields {names} != spec fields {list(declared)}")
+            try:
+                checks = tuple((fname, FIELD_CHECKS[ftype]) for fname, ftype in declared.items())
+            except KeyError as e:
+                raise SpecError(f"message {name!r}: unknown field type {e}") from None
+            self._checks[name] = (cls, checks)
+        extra = set(message_fields) - set(MESSAGE_CLASSES)
+        if extra:
+            raise SpecError(f"messages declared in spec without a class: {sorted(extra)}")
+
+    def encode(self, msg: Message) -> bytes:
+        body = asdict(msg)
+        for k, v in body.items():
+            if isinstance(v, tuple):
+                body[k] = list(v)
+        body["v"] = self.version
+        body["t"] = msg.TYPE
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    def decode(self, data: bytes) -> Message:
+        """Decode and validate; raises MalformedMessage or UnsupportedVersion (drop and count)."""
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise MalformedMessage(f"not a JSON message: {e}") from None
+        if type(obj) is not dict:
+            raise MalformedMessage("message is not an object")
+        version = obj.pop("v", None)
+        if version != self.version:
+            raise UnsupportedVersion(f"protocol version {version!r}; this build speaks {self.version}")
+        mtype = obj.pop("t", None)
+        entry = self._checks.get(mtype) if type(mtype) is str else None
+        if entry is None:
+            raise MalformedMessage(f"unknown message type {mtype!r}")
+        cls, checks = entry
+        if len(obj) != len(checks):
+            missing = [n for n, _ in checks if n not in obj]
+            extra = sorted(set(obj) - {n for n, _ in checks})
+            raise MalformedMessage(f"{mtype}: missing fields {missing}, unknown fields {extra}")
+        values = {}
+        for fname, check in checks:
+            if fname not in obj:
+                raise MalformedMessage(f"{mtype}: missing field {fname!r}")
+            try:
+                values[fname] = check(obj[fname])
+            except ValueError as e:
+                raise MalformedMessage(f"{mtype}.{fname}: {e}") from None
+        msg: Message = cls(**values)
+        return msg
