@@ -30,6 +30,7 @@ from kvfsm.protocol.events import Event
 from kvfsm.protocol.functions import ACTIONS, EXPLAIN, GUARDS, StepContext
 from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
 from kvfsm.protocol.spec import MachineSpec, ProtocolSpec, load_spec
+from kvfsm.protocol.wire import Codec
 
 Callback = Callable[[Any, Any, StepContext], None]
 
@@ -239,3 +240,17 @@ class Protocol:
         timeouts = timeouts or {}
         self.prefill = RoomMachine(self.spec.machines["prefill_room"], self.spec.kvpoll, timeouts.get("prefill"))
         self.decode = RoomMachine(self.spec.machines["decode_room"], self.spec.kvpoll, timeouts.get("decode"))
+        self.codec = Codec(self.spec.version, {n: m.fields for n, m in self.spec.messages.items()})
+
+    def machine_for(self, side: str, timeouts: dict[str, float] | None = None) -> RoomMachine:
+        """The machine of ``side``; with ``timeouts`` (timer -> seconds, timers of the other side
+        ignored) a separate machine with those deadlines."""
+        base = self.prefill if side == "prefill" else self.decode
+        if not timeouts:
+            return base
+        known = set(self.prefill.timeouts) | set(self.decode.timeouts)
+        unknown = set(timeouts) - known
+        if unknown:
+            raise LocalProtocolError(f"unknown timers {sorted(unknown)}; timers are {sorted(known)}")
+        mine = {k: v for k, v in timeouts.items() if k in base.timeouts}
+        return RoomMachine(base.spec, self.spec.kvpoll, mine)

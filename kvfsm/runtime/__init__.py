@@ -1,0 +1,9 @@
+"""Runs room machines for real: managers per (side, rank), workers, timers, telemetry."""
+
+from __future__ import annotations
+
+from kvfsm.runtime.decode import DecodeManager, KVReceiver
+from kvfsm.runtime.manager import RuntimeConfig, coalesce
+from kvfsm.runtime.prefill import KVSender, PrefillManager
+
+__all__ = ["DecodeManager", "KVReceiver", "KVSender", "PrefillManager", "RuntimeConfig", "coalesce"]

@@ -1,0 +1,170 @@
+"""Decode side: ``DecodeManager`` (one per decode rank) and its per-room ``KVReceiver``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvfsm.protocol import KVTransferError, Protocol
+from kvfsm.protocol.events import (
+    AbortReceived,
+    AuxArrived,
+    ChunkArrived,
+    FailureReceived,
+    PagesAllocated,
+    PeerLost,
+    PeersReady,
+)
+from kvfsm.protocol.rooms import DecodeRoom
+from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, Message, Register, RegisterAck, RoomFailed
+from kvfsm.runtime.manager import Manager, log
+
+
+class KVReceiver:
+    """One room on one decode rank, as the engine sees it (SGLang's KVReceiver)."""
+
+    __slots__ = ("manager", "room")
+
+    def __init__(self, manager: DecodeManager, room: int) -> None:
+        self.manager = manager
+        self.room = room
+
+    def init(self, pages: list[int] | tuple[int, ...], aux_slot: int) -> None:
+        """Announce the allocated pages and aux slot to every source. Call once poll() says
+        WaitingForInput; raises LocalProtocolError otherwise or if pages are outside the region."""
+        self.manager._local(self.room, PagesAllocated(tuple(pages), aux_slot))
+
+    def poll(self) -> int:
+        return self.manager.poll(self.room)
+
+    def abort(self, reason: str = "aborted by engine") -> None:
+        self.manager.abort(self.room, reason)
+
+    def clear(self) -> None:
+        self.manager.clear(self.room)
+
+    def failure_exception(self) -> KVTransferError:
+        return self.manager.failure_exception(self.room)
+
+
+class DecodeManager(Manager):
+    side = "decode"
+
+    def __init__(
+        self, rank: int, endpoint: Any, protocol: Protocol | None = None, *,
+        prefill_peers: Mapping[int, str], **kwargs: Any,
+    ) -> None:
+        super().__init__(rank, endpoint, protocol, **kwargs)
+        self._peer_names = dict(prefill_peers)
+        self._peer_ranks = {name: rank for rank, name in self._peer_names.items()}
+        # prefill rank -> "pending" | "ready" | "refused" | "lost"
+        self._links: dict[int, str] = {r: "pending" for r in self._peer_names}
+        self._link_reason: dict[int, str] = {}
+        self._next_register = 0.0
+
+    def connect(self) -> None:
+        """Start the handshake with every prefill peer (re-sent until acknowledged)."""
+        with self._lock:
+            self._register_pending(self.clock())
+
+    def link_state(self, prefill_rank: int) -> str:
+        with self._lock:
+            return self._links[prefill_rank]
+
+    def create_receiver(self, room: int, sources: tuple[int, ...] | None = None, required_dests: int = 1) -> KVReceiver:
+        """Create room ``room``: ``sources`` are the prefill ranks it receives KV from (default:
+        the same rank, equal TP); ``required_dests`` is how many decode ranks each of them feeds."""
+        sources = (self.rank,) if sources is None else tuple(sources)
+        unknown = [s for s in sources if s not in self._peer_names]
+        if not sources or unknown:
+            from kvfsm.protocol import LocalProtocolError
+
+            raise LocalProtocolError(f"sources {unknown or '()'} are not prefill peers of decode rank {self.rank}")
+        with self._lock:
+            self._new_room(room, DecodeRoom(room, self.rank, self.kv_pages, self.aux_slots, sources, required_dests))
+            broken = [s for s in sources if self._links[s] in ("refused", "lost")]
+            if broken:
+                self._dispatch(room, PeerLost(broken[0], self._link_reason.get(broken[0], "link down")))
+            elif all(self._links[s] == "ready" for s in sources):
+                self._dispatch(room, PeersReady())
+        return KVReceiver(self, room)
+
+    # ------------------------------------------------------------------ handshake
+
+    def _register_pending(self, now: float) -> None:
+        reg = Register(self.rank, self.endpoint.name, self.kv_pages, self.page_bytes, self.aux_slots, self.aux_slot_bytes)
+        for rank, state in self._links.items():
+            if state == "pending":
+                self._send(rank, reg)
+        self._next_register = now + self.config.register_retry_s
+
+    def _tick_side(self, now: float) -> None:
+        if now >= self._next_register and any(s == "pending" for s in self._links.values()):
+            self._register_pending(now)
+
+    def _peer_name(self, rank: int) -> str | None:
+        return self._peer_names.get(rank)
+
+    # ------------------------------------------------------------------ inbound
+
+    def _on_message(self, peer: str, kind: str, msg: Message) -> None:
+        rank = self._peer_ranks.get(peer)
+        if rank is None:
+            self._count_drop("unknown_peer", f"{msg.TYPE} from {peer}")
+            return
+        if kind == "notification":
+            if not isinstance(msg, ChunkWritten | AuxWritten):
+                self._count_drop("unexpected_notification", f"{msg.TYPE} from {peer}")
+            elif msg.src != rank:
+                self._count_drop("wrong_sender", f"{msg.TYPE} claiming src {msg.src} from {peer}")
+            elif (rt := self._room_for_message(msg.room, msg.TYPE)) is not None:
+                if isinstance(msg, ChunkWritten):
+                    self._dispatch(msg.room, ChunkArrived(msg.src, msg.chunk_id, msg.is_last, msg.page_start, msg.num_pages))
+                    rt.bytes += msg.num_pages * self.page_bytes
+                else:
+                    self._dispatch(msg.room, AuxArrived(msg.src))
+            return
+        if isinstance(msg, RegisterAck):
+            self._on_ack(rank, msg)
+        elif isinstance(msg, AbortNotice) and msg.side == "prefill" and msg.rank == rank:
+            if self._room_for_message(msg.room, msg.TYPE) is not None:
+                self._dispatch(msg.room, AbortReceived(msg.rank, msg.side, msg.reason))
+        elif isinstance(msg, RoomFailed) and msg.prefill_rank == rank:
+            if self._room_for_message(msg.room, msg.TYPE) is not None:
+                self._dispatch(msg.room, FailureReceived(msg.prefill_rank, msg.reason))
+        else:
+            self._count_drop("unexpected_message", f"{msg.TYPE} from {peer}")
+
+    def _on_ack(self, rank: int, msg: RegisterAck) -> None:
+        if msg.prefill_rank != rank:
+            self._count_drop("wrong_sender", f"register_ack claiming prefill rank {msg.prefill_rank}")
+            return
+        if self._links[rank] != "pending":
+            self._count_drop("duplicate_ack", f"register_ack from prefill rank {rank}")
+            return
+        if not msg.accepted:
+            self._links[rank] = "refused"
+            self._link_reason[rank] = f"registration refused by prefill rank {rank}: {msg.reason}"
+            log.warning("decode%d: %s", self.rank, self._link_reason[rank])
+            self._fail_rooms_of(rank, self._link_reason[rank])
+            return
+        self._links[rank] = "ready"
+        self.telemetry.count("links_ready")
+        for rid, rt in list(self._rooms.items()):
+            room = rt.room
+            if room.state == "Bootstrapping" and rank in room.sources:
+                if all(self._links[s] == "ready" for s in room.sources):
+                    self._dispatch(rid, PeersReady())
+
+    def _on_peer_lost(self, peer: str, reason: str) -> None:
+        rank = self._peer_ranks.get(peer)
+        if rank is None:
+            return
+        self._links[rank] = "lost"
+        self._link_reason[rank] = reason
+        self._fail_rooms_of(rank, reason)
+
+    def _fail_rooms_of(self, rank: int, reason: str) -> None:
+        for rid, rt in list(self._rooms.items()):
+            if rank in rt.room.sources:
+                self._dispatch(rid, PeerLost(rank, reason))

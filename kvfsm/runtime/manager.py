@@ -1,0 +1,389 @@
+"""Shared machinery of the prefill and decode managers.
+
+Theory of operation
+-------------------
+A manager runs the room machines of one (side, rank). Every event for every room goes through
+``_dispatch`` under the manager's lock and is processed run-to-completion: events raised while
+the actions of a step are being carried out (an inline write that fails, a timer) are queued and
+stepped afterwards, never in the middle of another step. After each step the manager carries out
+the actions (send, post a write to the worker pool, arm/cancel a timer, count), records telemetry
+when the state changed, and forgets a room when it reaches Cleared (leaving a tombstone so that a
+late message for it is dropped and counted, never re-creating it).
+
+Inbound transport items are decoded and validated here: a malformed or unknown-version message,
+one whose claimed rank does not match the sending endpoint, or one for an unknown room is dropped
+and counted with a logged reason; it never raises out of the runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfsm.protocol import (
+    Action,
+    CancelTimer,
+    Event,
+    KVTransferError,
+    LocalProtocolError,
+    MalformedMessage,
+    PostAuxWrite,
+    PostWrite,
+    Protocol,
+    RecordIgnored,
+    RecordProtocolError,
+    SendMessage,
+    SetTimer,
+    TimerFired,
+    UnsupportedVersion,
+)
+from kvfsm.protocol.machine import RoomMachine
+from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
+from kvfsm.protocol.wire import Codec, Message
+from kvfsm.runtime.telemetry import Telemetry
+from kvfsm.runtime.timers import TimerWheel
+from kvfsm.runtime.workers import WorkerPool
+from kvfsm.transport.base import Endpoint, Inbound, Segment
+
+log = logging.getLogger("kvfsm.runtime")
+
+MAX_ROOM_ID = (1 << 63) - 1
+
+
+@dataclass
+class RuntimeConfig:
+    """Knobs of a manager. ``timeouts`` overrides spec timer defaults, e.g. {"transfer": 5.0}."""
+
+    timeouts: dict[str, float] = field(default_factory=dict)
+    workers: int = 4  # 0: run transfer jobs inline (deterministic)
+    register_retry_s: float = 1.0  # decode re-sends register until acknowledged
+    tombstone_ttl_s: float = 600.0  # how long a cleared room's id is remembered
+    early_ttl_s: float = 300.0  # prefill: how long messages for a not-yet-created room are kept
+    max_early_rooms: int = 65536
+
+
+@dataclass(slots=True)
+class RoomRuntime:
+    room: Any  # PrefillRoom | DecodeRoom
+    created: float
+    state_since: float
+    started: float | None = None  # first write posted (prefill) / pages announced (decode)
+    bytes: int = 0
+    descriptors: int = 0
+
+
+def coalesce(src_pages: Iterable[int], dst_pages: Iterable[int], page_bytes: int) -> list[Segment]:
+    """Turn page pairs into as few contiguous segments as possible (one per run)."""
+    segs: list[Segment] = []
+    run_s = run_d = run_n = 0
+    for s, d in zip(src_pages, dst_pages, strict=True):
+        if run_n and s == run_s + run_n and d == run_d + run_n:
+            run_n += 1
+            continue
+        if run_n:
+            segs.append(Segment(run_s * page_bytes, run_d * page_bytes, run_n * page_bytes))
+        run_s, run_d, run_n = s, d, 1
+    if run_n:
+        segs.append(Segment(run_s * page_bytes, run_d * page_bytes, run_n * page_bytes))
+    return segs
+
+
+class Manager:
+    side: str
+
+    def __init__(
+        self,
+        rank: int,
+        endpoint: Endpoint,
+        protocol: Protocol | None = None,
+        *,
+        kv: memoryview | bytearray,
+        aux: memoryview | bytearray,
+        page_bytes: int,
+        aux_slot_bytes: int,
+        config: RuntimeConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rank = rank
+        self.endpoint = endpoint
+        self.config = config or RuntimeConfig()
+        protocol = protocol or Protocol()
+        self.machine: RoomMachine = protocol.machine_for(self.side, self.config.timeouts)
+        self.codec: Codec = protocol.codec
+        self.clock = clock
+        self.kv = memoryview(kv).cast("B")
+        self.aux = memoryview(aux).cast("B")
+        if page_bytes <= 0 or len(self.kv) % page_bytes:
+            raise LocalProtocolError(f"KV region of {len(self.kv)} bytes is not a whole number of {page_bytes}-byte pages")
+        if aux_slot_bytes <= 0 or len(self.aux) % aux_slot_bytes:
+            raise LocalProtocolError(f"aux region of {len(self.aux)} bytes is not a whole number of {aux_slot_bytes}-byte slots")
+        self.page_bytes = page_bytes
+        self.aux_slot_bytes = aux_slot_bytes
+        self.kv_pages = len(self.kv) // page_bytes
+        self.aux_slots = len(self.aux) // aux_slot_bytes
+        self.telemetry = Telemetry()
+        self._lock = threading.RLock()
+        self._rooms: dict[int, RoomRuntime] = {}
+        self._timers = TimerWheel()
+        self._tombstones: dict[int, tuple[str, float]] = {}
+        self._tomb_order: deque[tuple[float, int]] = deque()
+        self._queue: deque[tuple[int, Event]] = deque()
+        self._draining = False
+        self._failures: dict[int, str] = {}
+        self.pool = WorkerPool(self.config.workers, name=f"{self.side}{rank}")
+        endpoint.register_memory(self.kv, self.aux)
+        endpoint.set_handler(self._on_inbound)
+
+    # ------------------------------------------------------------------ engine-facing helpers
+
+    def poll(self, room: int) -> int:
+        """KVPoll code of ``room``; also fires due timers (as SGLang checks deadlines in poll)."""
+        self.tick()
+        with self._lock:
+            return self.machine.kvpoll(self._get(room).room)
+
+    def abort(self, room: int, reason: str = "aborted by engine") -> None:
+        from kvfsm.protocol.events import Abort
+
+        self._local(room, Abort(reason))
+
+    def clear(self, room: int) -> None:
+        """Forget a concluded room (Success or Failed). Before that, call abort() first."""
+        from kvfsm.protocol.events import Clear
+
+        self._local(room, Clear())
+
+    def failure_exception(self, room: int) -> KVTransferError:
+        with self._lock:
+            rt = self._rooms.get(room)
+            reason = rt.room.failure if rt is not None else self._failures.get(room)
+        return KVTransferError(room, reason or "room did not fail", side=self.side, rank=self.rank)
+
+    def state(self, room: int) -> str:
+        """The machine's leaf state name (finer than KVPoll), for logs and tests."""
+        with self._lock:
+            return str(self._get(room).room.state)
+
+    def live_rooms(self) -> int:
+        with self._lock:
+            return len(self._rooms)
+
+    def stats(self) -> dict[str, Any]:
+        snap = self.telemetry.snapshot()
+        with self._lock:
+            snap["live_rooms"] = len(self._rooms)
+            snap["armed_timers"] = len(self._timers)
+            snap["tombstones"] = len(self._tombstones)
+            snap["workers_alive"] = self.pool.alive
+        snap["side"] = self.side
+        snap["rank"] = self.rank
+        return snap
+
+    def tick(self, now: float | None = None) -> None:
+        """Fire due timers and expire bookkeeping. Call it regularly (poll() does)."""
+        with self._lock:
+            now = self.clock() if now is None else now
+            for rid, timer in self._timers.pop_due(now):
+                self._dispatch(rid, TimerFired(timer))
+            while self._tomb_order and self._tomb_order[0][0] <= now:
+                _, rid = self._tomb_order.popleft()
+                entry = self._tombstones.get(rid)
+                if entry is not None and entry[1] <= now:
+                    del self._tombstones[rid]
+                    self._failures.pop(rid, None)
+            self._tick_side(now)
+
+    def next_deadline(self) -> float | None:
+        with self._lock:
+            return self._timers.next_deadline()
+
+    def close(self) -> None:
+        self.pool.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _tick_side(self, now: float) -> None:
+        pass
+
+    def _get(self, room: int) -> RoomRuntime:
+        rt = self._rooms.get(room)
+        if rt is None:
+            if room in self._tombstones:
+                raise LocalProtocolError(f"room {room} was cleared on {self.side} rank {self.rank}")
+            raise LocalProtocolError(f"room {room} does not exist on {self.side} rank {self.rank}; create it first")
+        return rt
+
+    def _new_room(self, rid: int, room: PrefillRoom | DecodeRoom) -> None:
+        if type(rid) is not int or not 0 <= rid <= MAX_ROOM_ID:
+            raise LocalProtocolError(f"room id must be an integer in [0, 2**63): {rid!r}")
+        if rid in self._rooms:
+            raise LocalProtocolError(f"room {rid} already exists on {self.side} rank {self.rank} (duplicate bootstrap_room)")
+        if rid in self._tombstones:
+            raise LocalProtocolError(f"room {rid} was used and cleared recently on {self.side} rank {self.rank}; room ids must be unique")
+        now = self.clock()
+        self._rooms[rid] = RoomRuntime(room, now, now)
+        self.telemetry.count("rooms_created")
+        self._execute(self._rooms[rid], self.machine.create(room, now), now)
+
+    def _local(self, rid: int, event: Event) -> None:
+        """A local event: misuse raises LocalProtocolError to the caller, the room unchanged."""
+        with self._lock:
+            rt = self._get(rid)
+            nested, self._draining = self._draining, True  # events raised meanwhile wait their turn
+            try:
+                self._step(rt, event)
+            finally:
+                self._draining = nested
+            self._drain()
+
+    def _dispatch(self, rid: int, event: Event) -> None:
+        """Queue an event for a room and run the queue to completion (lock held)."""
+        self._queue.append((rid, event))
+        self._drain()
+
+    def _drain(self) -> None:
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            while self._queue:
+                rid, event = self._queue.popleft()
+                rt = self._rooms.get(rid)
+                if rt is None:
+                    self._count_drop("event_for_gone_room", f"{event.trigger} for room {rid} that no longer exists")
+                    continue
+                try:
+                    self._step(rt, event)
+                except LocalProtocolError as exc:
+                    # An internal event our runtime should never produce in this state.
+                    self.telemetry.count("internal_errors")
+                    log.error("%s%d room %d: %s", self.side, self.rank, rid, exc)
+        finally:
+            self._draining = False
+
+    def _step(self, rt: RoomRuntime, event: Event) -> None:
+        now = self.clock()
+        before = rt.room.state
+        actions = self.machine.step(rt.room, event, now)
+        if rt.room.state != before:
+            self._state_changed(rt, before, now)
+        self._execute(rt, actions, now)
+
+    def _state_changed(self, rt: RoomRuntime, before: str, now: float) -> None:
+        room = rt.room
+        self.telemetry.observe(f"state_seconds.{before}", now - rt.state_since)
+        rt.state_since = now
+        after = room.state
+        log.debug("%s%d room %d: %s -> %s (%s)", self.side, self.rank, room.room, before, after, room.last_row)
+        if after == "Success":
+            self.telemetry.count("rooms_succeeded")
+            self.telemetry.observe("room_seconds", now - rt.created)
+            if rt.started is not None:
+                self.telemetry.observe("transfer_seconds", now - rt.started)
+            self.telemetry.observe("room_bytes", rt.bytes)
+            self.telemetry.observe("room_descriptors", rt.descriptors)
+        elif after == "Failed":
+            self.telemetry.count("rooms_failed")
+            code = (room.failure or "unknown").split(":", 1)[0]
+            self.telemetry.count(f"failure.{code}")
+            self._failures[room.room] = room.failure or ""
+            log.info("%s%d room %d failed in %s: %s", self.side, self.rank, room.room, before, room.failure)
+        elif after == "Cleared":
+            self.telemetry.count("rooms_cleared")
+            del self._rooms[room.room]
+            self._timers.cancel_room(room.room)
+            expiry = now + self.config.tombstone_ttl_s
+            self._tombstones[room.room] = (before, expiry)
+            self._tomb_order.append((expiry, room.room))
+            if before != "Failed":
+                self._failures.pop(room.room, None)
+
+    def _execute(self, rt: RoomRuntime, actions: list[Action], now: float) -> None:
+        rid = rt.room.room
+        for a in actions:
+            if isinstance(a, SendMessage):
+                self._send(a.peer_rank, a.message)
+            elif isinstance(a, SetTimer):
+                self._timers.set(rid, a.timer, a.deadline)
+            elif isinstance(a, CancelTimer):
+                self._timers.cancel(rid, a.timer)
+            elif isinstance(a, PostWrite | PostAuxWrite):
+                if rt.started is None:
+                    rt.started = now
+                self._post(rt, a)
+            elif isinstance(a, RecordIgnored):
+                self.telemetry.count("ignored")
+                log.debug("%s%d room %d: ignored %s", self.side, self.rank, rid, a.reason)
+            elif isinstance(a, RecordProtocolError):
+                self.telemetry.count("protocol_errors")
+                log.warning("%s%d room %d: protocol error: %s", self.side, self.rank, rid, a.reason)
+            else:  # pragma: no cover - exhaustive over Action
+                raise AssertionError(f"unhandled action {a!r}")
+
+    def _post(self, rt: RoomRuntime, action: PostWrite | PostAuxWrite) -> None:
+        raise LocalProtocolError(f"{self.side} rooms do not write")
+
+    def _peer_name(self, rank: int) -> str | None:
+        raise NotImplementedError
+
+    def _send(self, peer_rank: int, msg: Message) -> None:
+        name = self._peer_name(peer_rank)
+        if name is None:
+            self._count_drop("no_route", f"{msg.TYPE} to unknown {peer_rank=}")
+            return
+        self.telemetry.count("messages_out")
+        self.endpoint.send(name, self.codec.encode(msg))
+
+    def _count_drop(self, what: str, detail: str) -> None:
+        self.telemetry.count(f"dropped.{what}")
+        log.debug("%s%d dropped (%s): %s", self.side, self.rank, what, detail)
+
+    def _on_inbound(self, item: Inbound) -> None:
+        """Transport handler: never raises (a peer's bad input is counted, not propagated)."""
+        try:
+            with self._lock:
+                if item.kind in ("message", "notification"):
+                    try:
+                        msg = self.codec.decode(item.data)
+                    except UnsupportedVersion as exc:
+                        self._count_drop("unsupported_version", f"from {item.peer}: {exc}")
+                        log.warning("%s%d: %s from %s", self.side, self.rank, exc, item.peer)
+                        return
+                    except MalformedMessage as exc:
+                        self._count_drop("malformed", f"from {item.peer}: {exc}")
+                        log.warning("%s%d: malformed message from %s: %s", self.side, self.rank, item.peer, exc)
+                        return
+                    self.telemetry.count("messages_in")
+                    self._on_message(item.peer, item.kind, msg)
+                elif item.kind == "completion":
+                    self._on_completion(item)
+                elif item.kind == "peer_lost":
+                    self.telemetry.count("peers_lost")
+                    self._on_peer_lost(item.peer, item.reason)
+                self._drain()
+        except Exception:  # noqa: BLE001 - last line of defence: never kill the transport thread
+            self.telemetry.count("internal_errors")
+            log.exception("%s%d: error handling %s from %s", self.side, self.rank, item.kind, item.peer)
+
+    def _room_for_message(self, rid: int, what: str) -> RoomRuntime | None:
+        rt = self._rooms.get(rid)
+        if rt is None:
+            if rid in self._tombstones:
+                self._count_drop("late_for_cleared_room", f"{what} for cleared room {rid}")
+            else:
+                self._count_drop("unknown_room", f"{what} for unknown room {rid}")
+        return rt
+
+    def _on_message(self, peer: str, kind: str, msg: Message) -> None:
+        raise NotImplementedError
+
+    def _on_completion(self, item: Inbound) -> None:
+        self._count_drop("unexpected_completion", f"from {item.peer}")
+
+    def _on_peer_lost(self, peer: str, reason: str) -> None:
+        raise NotImplementedError

@@ -1,0 +1,216 @@
+"""Prefill side: ``PrefillManager`` (one per prefill rank) and its per-room ``KVSender``."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from kvfsm.protocol import KVTransferError, LocalProtocolError, PostAuxWrite, PostWrite, Protocol
+from kvfsm.protocol.events import (
+    AUX_WRITE,
+    AbortReceived,
+    ChunkReady,
+    Event,
+    PagesAnnounced,
+    PeerLost,
+    WriteCompleted,
+    WriteFailed,
+)
+from kvfsm.protocol.rooms import PrefillRoom
+from kvfsm.protocol.wire import AbortNotice, Message, Register, RegisterAck, RoomFailed, RoomPages
+from kvfsm.runtime.manager import Manager, RoomRuntime, coalesce, log
+from kvfsm.transport.base import Inbound
+
+
+class KVSender:
+    """One room on one prefill rank, as the engine sees it (SGLang's KVSender)."""
+
+    __slots__ = ("manager", "room")
+
+    def __init__(self, manager: PrefillManager, room: int) -> None:
+        self.manager = manager
+        self.room = room
+
+    def send(self, pages: list[int] | tuple[int, ...], is_last: bool = False, aux_slot: int | None = None) -> None:
+        """Hand over the next chunk: local page indices; the last chunk carries the aux slot.
+        Chunks ready before decode announced its pages are held (scenario 2). Raises
+        LocalProtocolError on misuse (a chunk after the last, pages outside the KV region)."""
+        self.manager._local(self.room, ChunkReady(tuple(pages), is_last, aux_slot))
+
+    def poll(self) -> int:
+        return self.manager.poll(self.room)
+
+    def abort(self, reason: str = "aborted by engine") -> None:
+        self.manager.abort(self.room, reason)
+
+    def clear(self) -> None:
+        self.manager.clear(self.room)
+
+    def failure_exception(self) -> KVTransferError:
+        return self.manager.failure_exception(self.room)
+
+
+class PrefillManager(Manager):
+    side = "prefill"
+
+    def __init__(self, rank: int, endpoint: Any, protocol: Protocol | None = None, **kwargs: Any) -> None:
+        super().__init__(rank, endpoint, protocol, **kwargs)
+        self._registrations: dict[int, Register] = {}
+        self._peer_names: dict[int, str] = {}
+        self._peer_ranks: dict[str, int] = {}
+        # Messages for rooms the engine has not created yet (decode was faster): replayed on create.
+        self._early: dict[int, list[tuple[str, Event]]] = {}
+        self._early_order: deque[tuple[float, int]] = deque()
+
+    def create_sender(self, room: int) -> KVSender:
+        """Create room ``room`` on this rank. Messages that arrived for it earlier are applied now."""
+        with self._lock:
+            self._new_room(room, PrefillRoom(room, self.rank, self.kv_pages, self.aux_slots))
+            for _peer, event in self._early.pop(room, ()):
+                self._dispatch(room, event)
+        return KVSender(self, room)
+
+    # ------------------------------------------------------------------ inbound
+
+    def _peer_name(self, rank: int) -> str | None:
+        return self._peer_names.get(rank)
+
+    def _on_message(self, peer: str, kind: str, msg: Message) -> None:
+        if kind != "message":
+            self._count_drop("unexpected_notification", f"{msg.TYPE} from {peer}")
+        elif isinstance(msg, Register):
+            self._on_register(peer, msg)
+        elif isinstance(msg, RoomPages):
+            if not self._claims(peer, msg.decode_rank, msg):
+                return
+            reg = self._registrations.get(msg.decode_rank)
+            event = PagesAnnounced(
+                msg.decode_rank, msg.pages, msg.aux_slot, msg.required_dests,
+                reg.kv_pages if reg else 0, reg.aux_slots if reg else 0,
+            )
+            self._room_event(peer, msg.room, event, msg)
+        elif isinstance(msg, AbortNotice):
+            if msg.side != "decode" or not self._claims(peer, msg.rank, msg):
+                return
+            self._room_event(peer, msg.room, AbortReceived(msg.rank, msg.side, msg.reason), msg)
+        else:
+            self._count_drop("unexpected_message", f"{msg.TYPE} from {peer}")
+
+    def _claims(self, peer: str, rank: int, msg: Message) -> bool:
+        if self._peer_ranks.get(peer) != rank:
+            self._count_drop("wrong_sender", f"{msg.TYPE} claiming decode rank {rank} from {peer}")
+            log.warning("prefill%d: %s from %s claims decode rank %d", self.rank, msg.TYPE, peer, rank)
+            return False
+        return True
+
+    def _on_register(self, peer: str, msg: Register) -> None:
+        ok = msg.page_bytes == self.page_bytes and msg.aux_slot_bytes == self.aux_slot_bytes
+        reason = "" if ok else (
+            f"page/aux size {msg.page_bytes}/{msg.aux_slot_bytes} bytes != prefill's "
+            f"{self.page_bytes}/{self.aux_slot_bytes}"
+        )
+        bound = self._peer_names.get(msg.decode_rank)
+        if bound is not None and bound != peer:
+            ok, reason = False, f"decode rank {msg.decode_rank} is already registered from {bound}"
+        if ok:
+            self._registrations[msg.decode_rank] = msg
+            self._peer_names[msg.decode_rank] = peer
+            self._peer_ranks[peer] = msg.decode_rank
+            self.telemetry.count("registrations")
+        else:
+            self.telemetry.count("registrations_refused")
+            log.warning("prefill%d: refused registration from %s: %s", self.rank, peer, reason)
+        ack = RegisterAck(self.rank, self.page_bytes, self.aux_slot_bytes, ok, reason)
+        self.telemetry.count("messages_out")
+        self.endpoint.send(peer, self.codec.encode(ack))
+
+    def _room_event(self, peer: str, rid: int, event: Event, msg: Message) -> None:
+        if rid in self._rooms:
+            self._dispatch(rid, event)
+            return
+        tomb = self._tombstones.get(rid)
+        if tomb is not None:
+            self._count_drop("late_for_cleared_room", f"{msg.TYPE} for cleared room {rid}")
+            if tomb[0] == "Failed" and isinstance(msg, RoomPages):
+                # The decode still holds pages for a room that failed here: tell it now.
+                reason = self._failures.get(rid) or "room failed on prefill"
+                self._send(msg.decode_rank, RoomFailed(rid, self.rank, reason))
+            return
+        if len(self._early) >= self.config.max_early_rooms and rid not in self._early:
+            self._count_drop("early_overflow", f"{msg.TYPE} for not-yet-created room {rid}")
+            return
+        if rid not in self._early:
+            self._early_order.append((self.clock() + self.config.early_ttl_s, rid))
+        self._early.setdefault(rid, []).append((peer, event))
+        self.telemetry.count("early_messages")
+
+    def _tick_side(self, now: float) -> None:
+        while self._early_order and self._early_order[0][0] <= now:
+            _, rid = self._early_order.popleft()
+            events = self._early.pop(rid, None)
+            if events is None:
+                continue
+            self._count_drop("early_expired", f"room {rid} was never created on this rank")
+            for _peer, event in events:
+                if isinstance(event, PagesAnnounced):
+                    reason = f"prefill rank {self.rank} never created room {rid} within {self.config.early_ttl_s}s"
+                    self._send(event.dest_rank, RoomFailed(rid, self.rank, reason))
+
+    def _on_completion(self, item: Inbound) -> None:
+        tag = item.tag
+        if not (isinstance(tag, tuple) and len(tag) == 3):
+            self._count_drop("unexpected_completion", f"tag {tag!r}")
+            return
+        rid, dest, chunk_id = tag
+        if rid not in self._rooms:
+            self._count_drop("completion_for_gone_room", f"room {rid}")
+            return
+        if item.ok:
+            self._dispatch(rid, WriteCompleted(dest, chunk_id))
+        else:
+            self._dispatch(rid, WriteFailed(dest, chunk_id, item.reason))
+
+    def _on_peer_lost(self, peer: str, reason: str) -> None:
+        rank = self._peer_ranks.pop(peer, None)
+        if rank is None:
+            return
+        self._registrations.pop(rank, None)
+        self._peer_names.pop(rank, None)
+        for rid, rt in list(self._rooms.items()):
+            if rank in rt.room.dests:
+                self._dispatch(rid, PeerLost(rank, reason))
+
+    # ------------------------------------------------------------------ writes
+
+    def _post(self, rt: RoomRuntime, action: PostWrite | PostAuxWrite) -> None:
+        peer = self._peer_names.get(action.dest_rank)
+        rid = action.room
+        chunk_id = action.chunk_id if isinstance(action, PostWrite) else AUX_WRITE
+        if isinstance(action, PostWrite):
+            segments = coalesce(action.src_pages, action.dst_pages, self.page_bytes)
+            region = "kv"
+        else:
+            segments = coalesce((action.src_slot,), (action.dst_slot,), self.aux_slot_bytes)
+            region = "aux"
+        note = self.codec.encode(action.notification)
+        rt.bytes += sum(s.length for s in segments)
+        rt.descriptors += len(segments)
+        self.telemetry.count("writes_posted")
+        self.telemetry.count("descriptors", len(segments))
+        tag = (rid, action.dest_rank, chunk_id)
+
+        def job() -> None:
+            if peer is None:
+                raise LocalProtocolError(f"no route to decode rank {action.dest_rank}")
+            moved = self.endpoint.write(peer, region, segments, note, tag)  # type: ignore[arg-type]
+            self.telemetry.count("bytes_written", moved)
+
+        def on_error(exc: BaseException) -> None:
+            self.telemetry.count("write_errors")
+            log.warning("prefill%d room %d: write to decode rank %d failed: %r", self.rank, rid, action.dest_rank, exc)
+            with self._lock:
+                if rid in self._rooms:
+                    self._dispatch(rid, WriteFailed(action.dest_rank, chunk_id, f"{type(exc).__name__}: {exc}"))
+
+        self.pool.submit(rid, job, on_error)
+

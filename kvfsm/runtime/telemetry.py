@@ -1,0 +1,72 @@
+"""Per-manager telemetry: counters and histograms, snapshotted by ``stats()``.
+
+Histograms keep exact count/sum/min/max and a window of the most recent samples for
+percentiles (p50/p95/p99), so memory stays bounded however many rooms pass through.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, deque
+from typing import Any
+
+
+class Histogram:
+    __slots__ = ("count", "total", "lo", "hi", "_window")
+
+    def __init__(self, window: int = 16384) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.lo = float("inf")
+        self.hi = float("-inf")
+        self._window: deque[float] = deque(maxlen=window)
+
+    def record(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self.lo = min(self.lo, value)
+        self.hi = max(self.hi, value)
+        self._window.append(value)
+
+    def snapshot(self) -> dict[str, float]:
+        if not self.count:
+            return {"count": 0}
+        ordered = sorted(self._window)
+
+        def pct(p: float) -> float:
+            return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+        return {
+            "count": self.count,
+            "mean": self.total / self.count,
+            "min": self.lo,
+            "p50": pct(0.50),
+            "p95": pct(0.95),
+            "p99": pct(0.99),
+            "max": self.hi,
+        }
+
+
+class Telemetry:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counters: Counter[str] = Counter()
+        self.histograms: dict[str, Histogram] = {}
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def observe(self, name: str, value: float) -> None:
+        with self._lock:
+            h = self.histograms.get(name)
+            if h is None:
+                h = self.histograms[name] = Histogram()
+            h.record(value)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "counters": dict(sorted(self.counters.items())),
+                "histograms": {k: h.snapshot() for k, h in sorted(self.histograms.items())},
+            }

@@ -1,0 +1,255 @@
+"""Loopback: the embedded default transport. Control and data plane in one process.
+
+Theory of operation
+-------------------
+A ``Fabric`` is the network: endpoints attach to it by name. A registered buffer is real bytes
+and ``write`` really copies them (``memoryview`` slice assignment: a memcpy), synchronously in
+the calling thread (a transfer worker), exactly like a synchronous RDMA write. What happens after
+the bytes moved is queued as *items*: the notification for the destination and the completion
+for the writer. Control messages are items too. A notification item is created only after its
+data was copied, so a notification is never delivered before its data.
+
+``pump()`` delivers queued items to the endpoints' handlers. Which item goes next is chosen by a
+seeded ``random.Random``: with ``ordered=True`` per (sender, receiver) pair FIFO, pairs interleaved;
+otherwise any queued item. Fault injection applies at send time to messages and notifications:
+``drop`` and ``dup`` probabilities, ``delay`` (probability that an item is held back for a few
+picks). ``crash(name)`` kills an endpoint: its queued items vanish, writes to it fail, and every
+endpoint that talked to it receives a ``peer_lost`` item. Completions are never dropped (the
+transport always reports the fate of our own writes), but they do race with notifications.
+
+Handlers run in the pumping thread, never while the fabric's lock is held.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvfsm.transport.base import Handler, Inbound, Region, Segment, TransportError
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    drop: float = 0.0  # probability a message or notification is lost
+    dup: float = 0.0  # probability it is delivered twice
+    delay: float = 0.0  # probability it is held back for up to max_delay picks
+    max_delay: int = 8
+
+    @property
+    def any(self) -> bool:
+        return bool(self.drop or self.dup or self.delay)
+
+
+@dataclass(slots=True)
+class _Item:
+    src: str
+    dst: str
+    inbound: Inbound
+    hold: int = 0  # picks to wait (delay fault)
+
+
+@dataclass
+class FabricStats:
+    sent: int = 0
+    delivered: int = 0
+    dropped: int = 0
+    duplicated: int = 0
+    delayed: int = 0
+    bytes_written: int = 0
+    writes: int = 0
+    segments: int = 0
+    undeliverable: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+class Fabric:
+    """The in-process network. Thread-safe; deterministic for a seed when pumped by one thread."""
+
+    def __init__(self, seed: int = 0, *, ordered: bool = True, faults: Faults | None = None) -> None:
+        self.rng = random.Random(seed)
+        self.ordered = ordered
+        self.faults = faults or Faults()
+        self._lock = threading.Lock()
+        self._endpoints: dict[str, LoopbackEndpoint] = {}
+        self._dead: set[str] = set()
+        self._queues: dict[tuple[str, str], deque[_Item]] = {}
+        self._pending = 0
+        self._contacts: dict[str, set[str]] = {}
+        self.stats = FabricStats()
+
+    # ------------------------------------------------------------------ endpoints
+
+    def endpoint(self, name: str) -> LoopbackEndpoint:
+        with self._lock:
+            if name in self._endpoints:
+                raise ValueError(f"endpoint {name!r} already attached")
+            ep = LoopbackEndpoint(self, name)
+            self._endpoints[name] = ep
+            self._contacts[name] = set()
+            return ep
+
+    def is_dead(self, name: str) -> bool:
+        return name in self._dead
+
+    def crash(self, name: str) -> None:
+        """Kill ``name``: its queued items vanish, its memory is gone, peers learn of the loss."""
+        with self._lock:
+            if name in self._dead or name not in self._endpoints:
+                return
+            self._dead.add(name)
+            for key in [k for k in self._queues if name in k]:
+                self._pending -= len(self._queues.pop(key))
+            for other in sorted(self._contacts.get(name, ())):
+                if other not in self._dead:
+                    self._enqueue(_Item(name, other, Inbound("peer_lost", name, reason=f"{name} crashed")))
+
+    # ------------------------------------------------------------------ queueing
+
+    def _enqueue(self, item: _Item) -> None:
+        # caller holds the lock
+        self._queues.setdefault((item.src, item.dst), deque()).append(item)
+        self._pending += 1
+        self.stats.sent += 1
+
+    def _post(self, src: str, dst: str, inbound: Inbound, faulty: bool) -> None:
+        with self._lock:
+            if src in self._dead:
+                return
+            if dst in self._dead or dst not in self._endpoints:
+                self.stats.undeliverable += 1
+                return
+            self._contacts[src].add(dst)
+            self._contacts[dst].add(src)
+            copies = 1
+            hold = 0
+            f = self.faults
+            if faulty and f.any:
+                if f.drop and self.rng.random() < f.drop:
+                    self.stats.dropped += 1
+                    return
+                if f.dup and self.rng.random() < f.dup:
+                    self.stats.duplicated += 1
+                    copies = 2
+                if f.delay and self.rng.random() < f.delay:
+                    self.stats.delayed += 1
+                    hold = self.rng.randint(1, f.max_delay)
+            for _ in range(copies):
+                self._enqueue(_Item(src, dst, inbound, hold))
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def _pick(self) -> _Item | None:
+        # caller holds the lock. Candidates: each pair's head (ordered) or every queued item.
+        if not self._pending:
+            return None
+        cands = [
+            (key, idx) for key, q in self._queues.items() for idx in (range(1) if self.ordered else range(len(q)))
+        ]
+        ready = []
+        for key, idx in cands:
+            item = self._queues[key][idx]
+            if item.hold:
+                item.hold -= 1  # a held-back item ages with every pick that passes it over
+            else:
+                ready.append((key, idx))
+        pool = ready or cands
+        key, idx = pool[self.rng.randrange(len(pool))] if len(pool) > 1 else pool[0]
+        q = self._queues[key]
+        item = q[idx]
+        del q[idx]
+        if not q:
+            del self._queues[key]
+        self._pending -= 1
+        return item
+
+    def pump(self, max_items: int | None = None) -> int:
+        """Deliver up to ``max_items`` queued items (all, if None). Returns how many."""
+        n = 0
+        while max_items is None or n < max_items:
+            with self._lock:
+                item = self._pick()
+                if item is None:
+                    break
+                ep = self._endpoints.get(item.dst)
+                dead = item.dst in self._dead
+            n += 1
+            if ep is None or dead or ep.handler is None:
+                self.stats.undeliverable += 1
+                continue
+            self.stats.delivered += 1
+            ep.handler(item.inbound)
+        return n
+
+    # ------------------------------------------------------------------ data plane
+
+    def _write(
+        self, src: LoopbackEndpoint, peer: str, region: Region, segments: Sequence[Segment],
+        notification: bytes, tag: object,
+    ) -> int:
+        with self._lock:
+            dst = self._endpoints.get(peer)
+            dead = src.name in self._dead or peer in self._dead
+        if dead or dst is None:
+            raise TransportError(f"write to {peer}: peer is not reachable")
+        src_mv = src.region(region)
+        dst_mv = dst.region(region)
+        if src_mv is None or dst_mv is None:
+            raise TransportError(f"write {src.name}->{peer}: {region} region not registered on both ends")
+        # Reject before any byte is written.
+        for s in segments:
+            if s.length < 0 or s.src < 0 or s.dst < 0 or s.src + s.length > len(src_mv) or s.dst + s.length > len(dst_mv):
+                raise TransportError(
+                    f"write {src.name}->{peer}: segment {s} outside registered {region} "
+                    f"({len(src_mv)} local, {len(dst_mv)} remote bytes)"
+                )
+        moved = 0
+        for s in segments:
+            dst_mv[s.dst : s.dst + s.length] = src_mv[s.src : s.src + s.length]
+            moved += s.length
+        with self._lock:
+            self.stats.bytes_written += moved
+            self.stats.writes += 1
+            self.stats.segments += len(segments)
+        # Data first, then its notification; the completion races with it.
+        self._post(src.name, peer, Inbound("notification", src.name, data=notification), faulty=True)
+        self._post(peer, src.name, Inbound("completion", peer, tag=tag), faulty=False)
+        return moved
+
+
+class LoopbackEndpoint:
+    """One (side, rank)'s attachment to a Fabric: both ports of kvfsm.transport.base.Endpoint."""
+
+    def __init__(self, fabric: Fabric, name: str) -> None:
+        self.fabric = fabric
+        self.name = name
+        self.handler: Handler | None = None
+        self._kv: memoryview | None = None
+        self._aux: memoryview | None = None
+
+    def set_handler(self, handler: Handler) -> None:
+        self.handler = handler
+
+    def register_memory(self, kv: memoryview, aux: memoryview) -> None:
+        self._kv = memoryview(kv).cast("B")
+        self._aux = memoryview(aux).cast("B")
+
+    def region(self, region: Region) -> memoryview | None:
+        return self._kv if region == "kv" else self._aux
+
+    def send(self, peer: str, data: bytes) -> None:
+        self.fabric._post(self.name, peer, Inbound("message", self.name, data=data), faulty=True)
+
+    def write(
+        self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object
+    ) -> int:
+        return self.fabric._write(self, peer, region, segments, notification, tag)
+
+    def inject(self, peer: str, inbound: Inbound) -> None:
+        """Test hook: queue an arbitrary inbound item for this endpoint as if ``peer`` sent it."""
+        with self.fabric._lock:
+            self.fabric._enqueue(_Item(peer, self.name, inbound))
