@@ -62,6 +62,11 @@ def _distinct(pages: tuple[int, ...]) -> bool:
     return len(set(pages)) == len(pages)
 
 
+def _within(pages: tuple[int, ...], limit: int) -> bool:
+    """Every page index is in [0, limit) (min/max run in C: this is on the per-chunk path)."""
+    return not pages or (min(pages) >= 0 and max(pages) < limit)
+
+
 # ====================================================================== prefill guards
 
 
@@ -86,7 +91,7 @@ def _announce_problem(room: PrefillRoom, ev: Any) -> str:
         return f"required_dests {ev.required_dests} disagrees with {room.required_dests or 'at least 1'}"
     if len(room.dests) >= ev.required_dests:
         return f"more than {ev.required_dests} decode ranks announced"
-    bad = [p for p in ev.pages if p >= ev.peer_kv_pages]
+    bad = [] if _within(ev.pages, ev.peer_kv_pages) else [p for p in ev.pages if p >= ev.peer_kv_pages]
     if bad:
         return f"pages {bad[:4]} outside decode rank {ev.dest_rank}'s {ev.peer_kv_pages} registered pages"
     if not _distinct(ev.pages):
@@ -141,7 +146,7 @@ def _chunk_problem(room: PrefillRoom, ev: ChunkReady) -> str:
         return "the last chunk, and only the last, carries aux_slot"
     if ev.aux_slot is not None and not 0 <= ev.aux_slot < room.aux_slots:
         return f"aux_slot {ev.aux_slot} outside the {room.aux_slots} registered slots"
-    if any(not 0 <= p < room.kv_pages for p in ev.pages):
+    if not _within(ev.pages, room.kv_pages):
         return f"pages outside the {room.kv_pages} registered pages"
     if not _distinct(ev.pages):
         return "a page appears twice in one chunk"
@@ -231,9 +236,14 @@ def complete_write(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> No
 
 @action("tell_decode")
 def tell_decode(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
-    """Tell every decode rank that announced (and so holds pages for this room) why it failed."""
+    """Tell every decode rank that announced (and so holds pages for this room) why it failed,
+    including one whose room_pages is being rejected (P2, on_remote_error): it holds pages too,
+    and would otherwise wait for its transfer timeout (#36033)."""
     reason = room.failure or arg
-    for dest in sorted(room.dests):
+    dests = set(room.dests)
+    if getattr(ev, "trigger", None) == "pages_announced":
+        dests.add(ev.dest_rank)
+    for dest in sorted(dests):
         ctx.out.append(SendMessage(dest, _prefill_notice(room, arg, reason)))
 
 
@@ -255,7 +265,7 @@ def _prefill_notice(room: PrefillRoom, kind: str, reason: str) -> AbortNotice | 
 def alloc_ok(room: DecodeRoom, ev: Any) -> bool:
     """The engine's pages and aux slot lie in this rank's registered region, pages distinct."""
     return (
-        all(0 <= p < room.kv_pages for p in ev.pages)
+        _within(ev.pages, room.kv_pages)
         and _distinct(ev.pages)
         and 0 <= ev.aux_slot < room.aux_slots
     )

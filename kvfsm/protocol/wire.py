@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from kvfsm.protocol.errors import MalformedMessage, SpecError, UnsupportedVersion
@@ -156,12 +156,10 @@ class Codec:
             raise SpecError(f"messages declared in spec without a class: {sorted(extra)}")
 
     def encode(self, msg: Message) -> bytes:
-        body = asdict(msg)
-        for k, v in body.items():
-            if isinstance(v, tuple):
-                body[k] = list(v)
-        body["v"] = self.version
-        body["t"] = msg.TYPE
+        # Field by field (dataclasses.asdict deep-copies page lists: 0.3 ms for 256 pages).
+        body: dict[str, Any] = {"v": self.version, "t": msg.TYPE}
+        for fname, _ in self._checks[msg.TYPE][1]:
+            body[fname] = getattr(msg, fname)
         return json.dumps(body, separators=(",", ":")).encode()
 
     def decode(self, data: bytes) -> Message:

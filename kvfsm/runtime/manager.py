@@ -79,6 +79,12 @@ class RoomRuntime:
 
 def coalesce(src_pages: Iterable[int], dst_pages: Iterable[int], page_bytes: int) -> list[Segment]:
     """Turn page pairs into as few contiguous segments as possible (one per run)."""
+    src_pages, dst_pages = tuple(src_pages), tuple(dst_pages)
+    n = len(src_pages)
+    if n and n == len(dst_pages):
+        s0, d0 = src_pages[0], dst_pages[0]
+        if src_pages == tuple(range(s0, s0 + n)) and dst_pages == tuple(range(d0, d0 + n)):
+            return [Segment(s0 * page_bytes, d0 * page_bytes, n * page_bytes)]  # fast path: one run
     segs: list[Segment] = []
     run_s = run_d = run_n = 0
     for s, d in zip(src_pages, dst_pages, strict=True):
@@ -135,7 +141,8 @@ class Manager:
         self._queue: deque[tuple[int, Event]] = deque()
         self._draining = False
         self._failures: dict[int, str] = {}
-        self.pool = WorkerPool(self.config.workers, name=f"{self.side}{rank}")
+        # Only prefill posts writes (push mode); decode needs no transfer workers.
+        self.pool = WorkerPool(self.config.workers if self.side == "prefill" else 0, name=f"{self.side}{rank}")
         endpoint.register_memory(self.kv, self.aux)
         endpoint.set_handler(self._on_inbound)
 
