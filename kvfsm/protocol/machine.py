@@ -13,7 +13,8 @@ differential test checks that both paths agree on random event sequences.
 A step is ``(room, event, now) -> [actions]``. It never does I/O, reads a clock or sleeps.
 An event no row accepts is a protocol error: for a local cause it raises LocalProtocolError and
 leaves the room untouched; for a remote cause the spec's ``on_remote_error`` row fires (the room
-fails with a reason) and a RecordProtocolError action reports it.
+fails with a reason) and a RecordProtocolError action reports it. In a terminal state the room is
+left as it is and only the RecordProtocolError is returned (Success never turns into Failed).
 """
 
 from __future__ import annotations
@@ -225,6 +226,12 @@ class RoomMachine:
         if event.cause == "local":
             raise LocalProtocolError(f"{self.spec.name} room {room.room}: {why}")
         ctx.error = why
+        if self.spec.states[room.state].terminal:
+            # A concluded room never changes on a peer's fault: Success never turns into Failed
+            # (P19/P21, D15/D17), Failed keeps its first reason, Cleared stays forgotten. Report only.
+            room.last_row = "on_remote_error"
+            ctx.out.append(RecordProtocolError(why))
+            return ctx.out
         room.state = self.spec.error_dest
         for cb in self._error_callbacks:
             cb(room, event, ctx)

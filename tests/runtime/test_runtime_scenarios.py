@@ -1,0 +1,376 @@
+"""Runtime + loopback scenarios, reading like the protocol.
+
+Every test drives real managers over the loopback fabric (real bytes, real copies) with a manual
+clock; every successful room's bytes at decode are compared with prefill's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfsm.protocol import KVPoll, LocalProtocolError
+from kvfsm.protocol.wire import ChunkWritten, RoomPages
+from kvfsm.testing import LoopbackCluster
+from kvfsm.transport.base import Inbound
+from kvfsm.transport.loopback import Faults
+
+
+@pytest.fixture
+def cluster() -> LoopbackCluster:
+    c = LoopbackCluster(prefill_ranks=2, decode_ranks=2)
+    yield c
+    c.close()
+
+
+def _run_room(c: LoopbackCluster, rid: int, chunks: list[list[list[int]]], dst: list[list[int]], *,
+              decode_first: bool = True, aux: tuple[int, int] = (1, 2)) -> tuple[list, list]:
+    """Room ``rid`` on every rank r: prefill rank r sends chunks[r], decode rank r receives into dst[r]."""
+    ranks = range(len(c.prefill))
+
+    def start_decode() -> list:
+        recv = [c.decode[r].create_receiver(rid) for r in ranks]
+        for r, rc in enumerate(recv):
+            assert rc.poll() == KVPoll.WaitingForInput
+            rc.init(dst[r], aux[1])
+        return recv
+
+    def start_prefill() -> list:
+        senders = [c.prefill[r].create_sender(rid) for r in ranks]
+        for r, s in enumerate(senders):
+            for i, pages in enumerate(chunks[r]):
+                last = i == len(chunks[r]) - 1
+                s.send(pages, is_last=last, aux_slot=aux[0] if last else None)
+        return senders
+
+    if decode_first:
+        recv = start_decode()
+        c.settle()
+        senders = start_prefill()
+    else:
+        senders = start_prefill()
+        c.settle()
+        recv = start_decode()
+    c.settle()
+    return senders, recv
+
+
+def test_happy_path_multi_rank_multi_chunk_every_byte_arrives(cluster: LoopbackCluster) -> None:
+    chunks = [[[0, 1], [2, 3, 4], [9]], [[10], [11, 12], [20, 21]]]
+    dst = [[30, 31, 32, 33, 34, 35], [40, 41, 42, 43, 44]]
+    senders, recv = _run_room(cluster, 77, chunks, dst)
+    assert [s.poll() for s in senders] == [KVPoll.Success] * 2
+    assert [r.poll() for r in recv] == [KVPoll.Success] * 2
+    for r in range(2):
+        src = [p for ch in chunks[r] for p in ch]
+        assert cluster.kv_equal(r, src, r, dst[r])
+        assert cluster.aux_equal(r, 1, r, 2)
+    for x in (*senders, *recv):
+        x.clear()
+    assert all(m.live_rooms() == 0 for m in cluster.managers)
+
+
+def test_scenario_1_decode_announces_before_prefill_kv_is_ready(cluster: LoopbackCluster) -> None:
+    recv = cluster.decode[0].create_receiver(5)
+    recv.init([3, 4], 0)
+    cluster.settle()
+    sender = cluster.prefill[0].create_sender(5)
+    assert cluster.prefill[0].state(5) == "WaitingForInput"
+    sender.send([7, 8], is_last=True, aux_slot=0)
+    cluster.settle()
+    assert sender.poll() == recv.poll() == KVPoll.Success
+    assert cluster.kv_equal(0, [7, 8], 0, [3, 4])
+
+
+def test_scenario_2_prefill_chunks_are_held_until_decode_announces(cluster: LoopbackCluster) -> None:
+    sender = cluster.prefill[0].create_sender(6)
+    sender.send([1], is_last=False)
+    sender.send([2], is_last=True, aux_slot=3)
+    assert cluster.prefill[0].state(6) == "Bootstrapping.Holding"
+    assert cluster.fabric.stats.writes == 0  # nothing written before decode announced
+    recv = cluster.decode[0].create_receiver(6)
+    recv.init([10, 11], 4)
+    cluster.settle()
+    assert sender.poll() == recv.poll() == KVPoll.Success
+    assert cluster.kv_equal(0, [1, 2], 0, [10, 11]) and cluster.aux_equal(0, 3, 0, 4)
+
+
+def test_pages_announced_before_the_prefill_room_exists_are_applied_on_create(cluster: LoopbackCluster) -> None:
+    recv = cluster.decode[1].create_receiver(9)
+    recv.init([0, 1, 2], 1)
+    cluster.settle()
+    assert cluster.prefill[1].stats()["counters"]["early_messages"] == 1
+    sender = cluster.prefill[1].create_sender(9)
+    assert cluster.prefill[1].state(9) == "WaitingForInput"
+    sender.send([5, 6, 7], is_last=True, aux_slot=0)
+    cluster.settle()
+    assert recv.poll() == KVPoll.Success and cluster.kv_equal(1, [5, 6, 7], 1, [0, 1, 2])
+
+
+def test_decode_times_out_when_prefill_never_writes_and_tells_prefill() -> None:
+    c = LoopbackCluster(timeouts={"transfer": 5.0})
+    recv = c.decode[0].create_receiver(1)
+    recv.init([0], 0)
+    c.settle()
+    sender = c.prefill[0].create_sender(1)  # never sends
+    c.advance(4.9)
+    assert recv.poll() == KVPoll.WaitingForInput
+    c.advance(0.2)
+    assert recv.poll() == KVPoll.Failed
+    assert "timeout" in recv.failure_exception().reason
+    assert sender.poll() == KVPoll.Failed  # the abort reached prefill: it stops, no 300 s wait
+    assert "aborted" in c.prefill[0].failure_exception(1).reason or "peer" in c.prefill[0].failure_exception(1).reason
+
+
+def test_prefill_hold_timeout_releases_held_kv_when_decode_never_announces() -> None:
+    c = LoopbackCluster(timeouts={"hold": 2.0})
+    sender = c.prefill[0].create_sender(3)
+    sender.send([1], is_last=True, aux_slot=0)
+    c.advance(2.5)
+    assert sender.poll() == KVPoll.Failed
+    assert "hold timer" in sender.failure_exception().reason
+
+
+def test_prefill_bootstrap_timeout_when_nobody_announces() -> None:
+    c = LoopbackCluster(timeouts={"bootstrap": 3.0})
+    sender = c.prefill[0].create_sender(3)
+    c.advance(3.5)
+    assert sender.poll() == KVPoll.Failed and "bootstrap timer" in sender.failure_exception().reason
+
+
+def test_decode_bootstrap_timeout_when_prefill_never_answers_the_handshake() -> None:
+    c = LoopbackCluster(connect=False, timeouts={"bootstrap": 3.0})
+    c.fabric.crash("prefill/0")  # nobody will ever ack (crash before any contact: no peer_lost)
+    c.decode[0].connect()
+    recv = c.decode[0].create_receiver(4)
+    assert recv.poll() == KVPoll.Bootstrapping
+    c.advance(3.5)
+    assert recv.poll() == KVPoll.Failed and "bootstrap timer" in recv.failure_exception().reason
+
+
+def test_prefill_input_timeout_when_engine_never_sends() -> None:
+    c = LoopbackCluster(timeouts={"input": 4.0})
+    recv = c.decode[0].create_receiver(8)
+    sender = c.prefill[0].create_sender(8)
+    recv.init([1], 0)
+    c.settle()
+    c.advance(4.5)
+    assert sender.poll() == KVPoll.Failed
+    assert recv.poll() == KVPoll.Failed  # told by room_failed, not by its own timeout
+    assert "room_failed" in recv.failure_exception().reason or "failure_received" in recv.failure_exception().reason
+
+
+def test_prefill_transfer_timeout_when_a_write_never_completes(monkeypatch: pytest.MonkeyPatch) -> None:
+    c = LoopbackCluster(timeouts={"transfer": 2.0})
+    # A data plane whose write is accepted but never completes (a hung RDMA handle):
+    monkeypatch.setattr(c.prefill[0].endpoint, "write", lambda *a, **k: 0)
+    recv = c.decode[0].create_receiver(2)
+    recv.init([1], 0)
+    c.settle()
+    sender = c.prefill[0].create_sender(2)
+    sender.send([1], is_last=True, aux_slot=0)
+    c.settle()
+    assert sender.poll() == KVPoll.Transferring
+    c.advance(2.5)
+    assert sender.poll() == KVPoll.Failed and "transfer timer" in sender.failure_exception().reason
+    assert recv.poll() == KVPoll.Failed  # told at once, not after its own 300 s
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_abort_from_either_side_fails_both(cluster: LoopbackCluster, side: str) -> None:
+    recv = cluster.decode[0].create_receiver(11)
+    recv.init([0, 1], 0)
+    sender = cluster.prefill[0].create_sender(11)
+    cluster.settle()
+    sender.send([4], is_last=False)
+    cluster.settle()
+    (recv if side == "decode" else sender).abort("user cancelled")
+    cluster.settle()
+    assert sender.poll() == recv.poll() == KVPoll.Failed
+    other = sender if side == "decode" else recv
+    assert "user cancelled" in other.failure_exception().reason
+    # Failed is sticky: further engine calls do not revive it.
+    sender.send([5], is_last=True, aux_slot=0)
+    assert sender.poll() == KVPoll.Failed
+
+
+def test_prefill_crash_mid_transfer_fails_its_rooms_and_other_ranks_finish() -> None:
+    c = LoopbackCluster(prefill_ranks=2, decode_ranks=2)
+    recv = [c.decode[r].create_receiver(1) for r in range(2)]
+    for rc in recv:
+        rc.init([0, 1, 2], 0)
+    senders = [c.prefill[r].create_sender(1) for r in range(2)]
+    c.settle()
+    for s in senders:
+        s.send([0], is_last=False)
+    c.settle()
+    assert recv[0].poll() == KVPoll.Transferring
+    c.fabric.crash("prefill/0")
+    c.settle()
+    senders[1].send([1, 2], is_last=True, aux_slot=0)
+    c.settle()
+    assert recv[0].poll() == KVPoll.Failed and "crashed" in recv[0].failure_exception().reason
+    assert recv[1].poll() == KVPoll.Success and c.kv_equal(1, [0, 1, 2], 1, [0, 1, 2])
+    # new rooms on the dead link fail at once instead of waiting for a timeout
+    assert c.decode[0].create_receiver(2).poll() == KVPoll.Failed
+
+
+def test_decode_crash_fails_prefill_rooms_that_write_to_it() -> None:
+    c = LoopbackCluster()
+    recv = c.decode[0].create_receiver(1)
+    recv.init([0, 1], 0)
+    sender = c.prefill[0].create_sender(1)
+    c.settle()
+    sender.send([0], is_last=False)
+    c.fabric.crash("decode/0")
+    c.settle()
+    assert sender.poll() == KVPoll.Failed
+
+
+def test_duplicated_messages_and_notifications_change_nothing() -> None:
+    c = LoopbackCluster(faults=Faults(dup=1.0))
+    senders, recv = _run_room(c, 3, [[[0, 1], [2]]], [[5, 6, 7]])
+    assert senders[0].poll() == recv[0].poll() == KVPoll.Success
+    assert c.kv_equal(0, [0, 1, 2], 0, [5, 6, 7])
+    assert c.fabric.stats.duplicated > 0
+    assert c.decode[0].stats()["counters"]["ignored"] >= 3  # chunk, chunk, aux notified twice
+
+
+def test_late_notification_for_a_cleared_room_is_dropped_and_never_recreates_it(cluster: LoopbackCluster) -> None:
+    senders, recv = _run_room(cluster, 4, [[[0]], [[0]]], [[1], [1]])
+    for x in (*senders, *recv):
+        x.clear()
+    late = cluster.protocol.codec.encode(ChunkWritten(4, 0, 0, True, 0, 1))
+    cluster.decode[0].endpoint.inject("prefill/0", Inbound("notification", "prefill/0", data=late))
+    cluster.settle()
+    d = cluster.decode[0]
+    assert d.live_rooms() == 0
+    assert d.stats()["counters"]["dropped.late_for_cleared_room"] == 1
+    with pytest.raises(LocalProtocolError, match="cleared"):
+        d.poll(4)
+
+
+def test_malformed_and_unknown_version_messages_are_dropped_and_counted(cluster: LoopbackCluster) -> None:
+    p = cluster.prefill[0]
+    for raw in (b"\xff\x00", b"[]", b'{"v":99,"t":"abort"}', b'{"v":1,"t":"room_pages","room":-1}'):
+        p.endpoint.inject("decode/0", Inbound("message", "decode/0", data=raw))
+    cluster.settle()
+    counters = p.stats()["counters"]
+    assert counters["dropped.malformed"] == 3
+    assert counters["dropped.unsupported_version"] == 1
+    assert p.live_rooms() == 0
+
+
+def test_a_message_claiming_another_decode_rank_is_dropped(cluster: LoopbackCluster) -> None:
+    sender = cluster.prefill[0].create_sender(12)
+    forged = cluster.protocol.codec.encode(RoomPages(12, 0, (1,), 0, 1))  # claims decode rank 0
+    cluster.prefill[0].endpoint.inject("decode/1", Inbound("message", "decode/1", data=forged))
+    cluster.settle()
+    assert cluster.prefill[0].stats()["counters"]["dropped.wrong_sender"] == 1
+    assert sender.poll() == KVPoll.Bootstrapping
+
+
+def test_pages_outside_the_registered_region_are_rejected_before_any_byte_is_written(cluster: LoopbackCluster) -> None:
+    sender = cluster.prefill[0].create_sender(13)
+    sender.send([1, 2], is_last=True, aux_slot=0)
+    bad = cluster.protocol.codec.encode(RoomPages(13, 0, (cluster.pages - 1, cluster.pages), 0, 1))
+    cluster.prefill[0].endpoint.inject("decode/0", Inbound("message", "decode/0", data=bad))
+    cluster.settle()
+    assert sender.poll() == KVPoll.Failed
+    assert "outside" in sender.failure_exception().reason
+    assert cluster.fabric.stats.writes == 0 and not any(cluster.dkv[0])
+
+
+def test_a_worker_exception_fails_only_that_room_and_the_worker_survives(monkeypatch: pytest.MonkeyPatch) -> None:
+    c = LoopbackCluster(workers=2)
+    p = c.prefill[0]
+    real_write = p.endpoint.write
+    calls = {"n": 0}
+
+    def flaky(*args: object, **kwargs: object) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated bug in the data plane")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(p.endpoint, "write", flaky)
+    results = []
+    for rid in (1, 3, 5):  # same shard on 2 workers
+        recv = c.decode[0].create_receiver(rid)
+        recv.init([rid], 0)
+        sender = p.create_sender(rid)
+        c.settle()
+        sender.send([rid], is_last=True, aux_slot=0)
+        c.settle()
+        results.append((sender.poll(), recv.poll()))
+    assert results[0] == (KVPoll.Failed, KVPoll.Failed)
+    assert "simulated bug" in p.failure_exception(1).reason
+    assert results[1:] == [(KVPoll.Success, KVPoll.Success)] * 2
+    assert p.pool.alive == 2
+    c.close()
+
+
+def test_registration_refused_on_page_size_mismatch_fails_decode_rooms_fast() -> None:
+    from kvfsm.runtime import DecodeManager
+    from kvfsm.transport.loopback import Fabric
+
+    c = LoopbackCluster()
+    d = DecodeManager(5, c.fabric.endpoint("decode/5"), c.protocol, prefill_peers={0: "prefill/0"},
+                      kv=bytearray(64 * 128), aux=bytearray(64), page_bytes=128, aux_slot_bytes=32, clock=c.clock)
+    d.connect()
+    c.settle()
+    assert d.link_state(0) == "refused"
+    recv = d.create_receiver(1, sources=(0,))
+    assert recv.poll() == KVPoll.Failed and "page/aux size" in recv.failure_exception().reason
+    assert isinstance(c.fabric, Fabric)
+
+
+def test_lost_registration_is_retried_until_acknowledged() -> None:
+    c = LoopbackCluster(connect=False, faults=Faults(drop=1.0))
+    d = c.decode[0]
+    d.connect()
+    c.settle()
+    assert d.link_state(0) == "pending"
+    c.fabric.faults = Faults()
+    c.advance(1.5)  # register_retry_s = 1.0
+    assert d.link_state(0) == "ready"
+
+
+def test_engine_misuse_raises_local_protocol_error_and_changes_nothing(cluster: LoopbackCluster) -> None:
+    p, d = cluster.prefill[0], cluster.decode[0]
+    sender = p.create_sender(20)
+    with pytest.raises(LocalProtocolError, match="already exists"):
+        p.create_sender(20)
+    with pytest.raises(LocalProtocolError, match="aux_slot"):
+        sender.send([1], is_last=True)  # the last chunk must carry the aux slot
+    with pytest.raises(LocalProtocolError, match="registered pages"):
+        sender.send([cluster.pages], is_last=False)
+    with pytest.raises(LocalProtocolError, match="clear"):
+        sender.clear()  # not concluded yet: abort() first
+    assert p.state(20) == "Bootstrapping.Waiting"
+    recv = d.create_receiver(20)
+    with pytest.raises(LocalProtocolError):
+        recv.init([cluster.pages + 3], 0)
+    with pytest.raises(LocalProtocolError, match="does not exist"):
+        d.poll(999)
+    with pytest.raises(LocalProtocolError, match="room id"):
+        p.create_sender(-1)
+
+
+def test_stats_report_state_times_latency_bytes_and_failures(cluster: LoopbackCluster) -> None:
+    _run_room(cluster, 30, [[[0, 1]], [[0, 1]]], [[2, 3], [2, 3]])
+    s = cluster.prefill[0].create_sender(31)
+    s.abort("boom")
+    st = cluster.prefill[0].stats()
+    assert st["counters"]["rooms_succeeded"] == 1 and st["counters"]["rooms_failed"] == 1
+    assert st["counters"]["failure.aborted"] == 1
+    h = st["histograms"]
+    assert h["room_bytes"]["p50"] == 2 * cluster.page_bytes + cluster.aux_bytes
+    assert {"p50", "p95", "p99"} <= set(h["transfer_seconds"])
+    assert "state_seconds.WaitingForInput" in h
+
+
+def test_chunks_that_do_not_cover_decode_pages_exactly_fail_both_sides(cluster: LoopbackCluster) -> None:
+    senders, recv = _run_room(cluster, 40, [[[0, 1]], [[0, 1]]], [[5, 6, 7], [5, 6]])
+    assert senders[0].poll() == recv[0].poll() == KVPoll.Failed  # 2 pages sent, 3 announced
+    assert "page count mismatch" in senders[0].failure_exception().reason
+    assert senders[1].poll() == recv[1].poll() == KVPoll.Success

@@ -1,0 +1,24 @@
+"""bench/core.py runs end to end and writes the JSON it promises (figures are not judged here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "core.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "core.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    assert res["step"]["us_per_step"] > 0 and res["step"]["us_per_step_transitions"] > res["step"]["us_per_step"]
+    assert set(res["churn"]) >= {"100", "1000", "ratio_high_to_low"}
+    assert {"stream", "single", "scattered"} <= set(res["bandwidth"])
+    assert set(res["goals"]) == {"step_us_le_10", "churn_10k_within_1.5x_of_100", "bandwidth_16MiB_ge_0.8x_memcpy"}
+    for rooms in res["rooms"].values():
+        assert rooms["rooms_per_second"] > 0
