@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,8 +95,18 @@ def bench_step(rooms: int, chunks: int = 4) -> dict[str, Any]:
 def bench_rooms(rooms: int) -> dict[str, Any]:
     out = {}
     for workers in (0, 2):
-        cfg = DemoConfig(rooms=rooms, chunks=2, ranks=1, pages_per_chunk=1, page_bytes=64, aux_bytes=16,
-                         concurrency=256, workers=workers, order="mixed", seed=1)
+        cfg = DemoConfig(
+            rooms=rooms,
+            chunks=2,
+            ranks=1,
+            pages_per_chunk=1,
+            page_bytes=64,
+            aux_bytes=16,
+            concurrency=256,
+            workers=workers,
+            order="mixed",
+            seed=1,
+        )
         res = min((run_demo(cfg) for _ in range(3)), key=lambda r: r["seconds"])
         assert res["ok"], res
         out[f"workers_{workers}"] = {"rooms_per_second": res["rooms_per_second"], "seconds": res["seconds"]}
@@ -108,10 +117,19 @@ def _manager(n_pages: int, page_bytes: int, workers: int = 0) -> tuple[Fabric, P
     fab = Fabric(0)
     kvp, kvd = bytearray(n_pages * page_bytes), bytearray(n_pages * page_bytes)
     cfg = RuntimeConfig(workers=workers)
-    p = PrefillManager(0, fab.endpoint("p0"), kv=kvp, aux=bytearray(1024), page_bytes=page_bytes,
-                       aux_slot_bytes=64, config=cfg)
-    d = DecodeManager(0, fab.endpoint("d0"), prefill_peers={0: "p0"}, kv=kvd, aux=bytearray(1024),
-                      page_bytes=page_bytes, aux_slot_bytes=64, config=cfg)
+    p = PrefillManager(
+        0, fab.endpoint("p0"), kv=kvp, aux=bytearray(1024), page_bytes=page_bytes, aux_slot_bytes=64, config=cfg
+    )
+    d = DecodeManager(
+        0,
+        fab.endpoint("d0"),
+        prefill_peers={0: "p0"},
+        kv=kvd,
+        aux=bytearray(1024),
+        page_bytes=page_bytes,
+        aux_slot_bytes=64,
+        config=cfg,
+    )
     d.connect()
     fab.pump()
     return fab, p, d
@@ -143,6 +161,7 @@ def bench_churn(populations: list[int], batch: int = 2000) -> dict[str, Any]:
         assert p.live_rooms() == n and d.live_rooms() == n
         p.close()
         d.close()
+
         # Baseline trap: one shared transitions Machine, add_model per room (O(n) per add).
         class M:
             pass

@@ -11,7 +11,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     from kvfsm import demo
 
-    demo.add_arguments(sub.add_parser("demo", help="move N rooms of KV over the loopback transport and verify every byte"))
+    demo.add_arguments(
+        sub.add_parser("demo", help="move N rooms of KV over the loopback transport and verify every byte")
+    )
     docs = sub.add_parser("docs", help="regenerate docs/ from spec/ (--check: fail if stale)")
     docs.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)

@@ -85,8 +85,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     protocol = Protocol()
     rcfg = RuntimeConfig(
         workers=cfg.workers,
-        timeouts={"transfer": cfg.transfer_timeout, "hold": 2 * cfg.transfer_timeout,
-                  "bootstrap": 4 * cfg.transfer_timeout, "input": 4 * cfg.transfer_timeout},
+        timeouts={
+            "transfer": cfg.transfer_timeout,
+            "hold": 2 * cfg.transfer_timeout,
+            "bootstrap": 4 * cfg.transfer_timeout,
+            "input": 4 * cfg.transfer_timeout,
+        },
         register_retry_s=0.05,
         early_ttl_s=4 * cfg.transfer_timeout,
     )
@@ -104,14 +108,33 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         paux.append(bytearray(rng.randbytes(aux_slots * cfg.aux_bytes)))
         dkv.append(bytearray(region_pages * cfg.page_bytes))
         daux.append(bytearray(aux_slots * cfg.aux_bytes))
-        prefill.append(PrefillManager(
-            r, fabric.endpoint(f"prefill/{r}"), protocol, kv=pkv[r], aux=paux[r],
-            page_bytes=cfg.page_bytes, aux_slot_bytes=cfg.aux_bytes, config=rcfg, clock=clock,
-        ))
-        decode.append(DecodeManager(
-            r, fabric.endpoint(f"decode/{r}"), protocol, prefill_peers={r: f"prefill/{r}"}, kv=dkv[r], aux=daux[r],
-            page_bytes=cfg.page_bytes, aux_slot_bytes=cfg.aux_bytes, config=rcfg, clock=clock,
-        ))
+        prefill.append(
+            PrefillManager(
+                r,
+                fabric.endpoint(f"prefill/{r}"),
+                protocol,
+                kv=pkv[r],
+                aux=paux[r],
+                page_bytes=cfg.page_bytes,
+                aux_slot_bytes=cfg.aux_bytes,
+                config=rcfg,
+                clock=clock,
+            )
+        )
+        decode.append(
+            DecodeManager(
+                r,
+                fabric.endpoint(f"decode/{r}"),
+                protocol,
+                prefill_peers={r: f"prefill/{r}"},
+                kv=dkv[r],
+                aux=daux[r],
+                page_bytes=cfg.page_bytes,
+                aux_slot_bytes=cfg.aux_bytes,
+                config=rcfg,
+                clock=clock,
+            )
+        )
     for d in decode:
         d.connect()
     managers: list[PrefillManager | DecodeManager] = [*prefill, *decode]
@@ -153,15 +176,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 "dst": [dpools[r].take(pages_per_room) for r in range(cfg.ranks)],
                 "saux": [paux_free[r].pop() for r in range(cfg.ranks)],
                 "daux": [daux_free[r].pop() for r in range(cfg.ranks)],
-                "senders": [], "receivers": [], "inited": [False] * cfg.ranks,
+                "senders": [],
+                "receivers": [],
+                "inited": [False] * cfg.ranks,
             }
 
-        def start_decode(rid: int) -> None:
-            p = plan[rid]
+        def start_decode(rid: int, p: dict[str, Any]) -> None:
             p["receivers"] = [decode[r].create_receiver(rid) for r in range(cfg.ranks)]
 
-        def start_prefill(rid: int) -> None:
-            p = plan[rid]
+        def start_prefill(rid: int, p: dict[str, Any]) -> None:
             p["senders"] = [prefill[r].create_sender(rid) for r in range(cfg.ranks)]
             for r, s in enumerate(p["senders"]):
                 src = p["src"][r]
@@ -173,10 +196,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                     s.send(pages, is_last=last, aux_slot=p["saux"][r] if last else None)
 
         for rid in wave:
-            (start_decode if plan[rid]["order"] == "decode-first" else start_prefill)(rid)
+            (start_decode if plan[rid]["order"] == "decode-first" else start_prefill)(rid, plan[rid])
         settle()
         for rid in wave:
-            (start_prefill if plan[rid]["order"] == "decode-first" else start_decode)(rid)
+            (start_prefill if plan[rid]["order"] == "decode-first" else start_decode)(rid, plan[rid])
 
         pending = set(wave)
         while pending:
@@ -215,8 +238,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 else:
                     outcome["inconsistent"] += 1  # ranks disagree: the engine's MIN-reduce fails it
                     outcome["failed"] += 1
-                for x in (*senders, *recv):
-                    x.clear()
+                for s in senders:
+                    s.clear()
+                for rc in recv:
+                    rc.clear()
                 for r in range(cfg.ranks):
                     ppools[r].give(p["src"][r])
                     dpools[r].give(p["dst"][r])
@@ -270,8 +295,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-bytes", type=int, default=d.page_bytes)
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="rooms in flight at once")
     p.add_argument("--workers", type=int, default=d.workers, help="transfer workers per prefill rank (0: inline)")
-    p.add_argument("--order", choices=["decode-first", "prefill-first", "mixed"], default=d.order,
-                   help="decode-first: scenario 1; prefill-first: scenario 2 (chunks held until decode announces)")
+    p.add_argument(
+        "--order",
+        choices=["decode-first", "prefill-first", "mixed"],
+        default=d.order,
+        help="decode-first: scenario 1; prefill-first: scenario 2 (chunks held until decode announces)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--drop", type=float, default=0.0, help="probability a message/notification is lost")
     p.add_argument("--dup", type=float, default=0.0, help="probability a message/notification is duplicated")
@@ -283,26 +312,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = DemoConfig(
-        rooms=args.rooms, chunks=args.chunks, ranks=args.ranks, pages_per_chunk=args.pages_per_chunk,
-        page_bytes=args.page_bytes, concurrency=min(args.concurrency, args.rooms), workers=args.workers,
-        order=args.order, seed=args.seed, drop=args.drop, dup=args.dup, delay=args.delay,
-        ordered=not args.unordered, transfer_timeout=args.transfer_timeout,
+        rooms=args.rooms,
+        chunks=args.chunks,
+        ranks=args.ranks,
+        pages_per_chunk=args.pages_per_chunk,
+        page_bytes=args.page_bytes,
+        concurrency=min(args.concurrency, args.rooms),
+        workers=args.workers,
+        order=args.order,
+        seed=args.seed,
+        drop=args.drop,
+        dup=args.dup,
+        delay=args.delay,
+        ordered=not args.unordered,
+        transfer_timeout=args.transfer_timeout,
     )
     res = run_demo(cfg)
     if args.json:
         print(json.dumps(res, sort_keys=True))
     else:
-        print(f"kvfsm demo over loopback: {cfg.rooms} rooms x {cfg.chunks} chunks, "
-              f"{cfg.ranks} prefill + {cfg.ranks} decode ranks, order={cfg.order}, workers={cfg.workers}")
+        print(
+            f"kvfsm demo over loopback: {cfg.rooms} rooms x {cfg.chunks} chunks, "
+            f"{cfg.ranks} prefill + {cfg.ranks} decode ranks, order={cfg.order}, workers={cfg.workers}"
+        )
         print(f"  succeeded {res['succeeded']}, failed {res['failed']} (ranks disagreed {res['ranks_disagreed']})")
-        print(f"  bytes verified {res['bytes_verified']} ({res['bytes_verified'] / 2**20:.1f} MiB), "
-              f"mismatched rooms {len(res['mismatched_rooms'])}")
-        print(f"  {res['rooms_per_second']:.0f} rooms/s ({res['seconds']:.3f} s wall"
-              + (f", {res['simulated_seconds_skipped']:.1f} s of idle timer time skipped" if res["simulated_seconds_skipped"] else "")
-              + ")")
+        print(
+            f"  bytes verified {res['bytes_verified']} ({res['bytes_verified'] / 2**20:.1f} MiB), "
+            f"mismatched rooms {len(res['mismatched_rooms'])}"
+        )
+        print(
+            f"  {res['rooms_per_second']:.0f} rooms/s ({res['seconds']:.3f} s wall"
+            + (
+                f", {res['simulated_seconds_skipped']:.1f} s of idle timer time skipped"
+                if res["simulated_seconds_skipped"]
+                else ""
+            )
+            + ")"
+        )
         f = res["fabric"]
-        print(f"  network: {f['sent']} items, {f['dropped']} dropped, {f['duplicated']} duplicated, "
-              f"{f['delayed']} delayed; {f['writes']} writes, {f['segments']} descriptors")
+        print(
+            f"  network: {f['sent']} items, {f['dropped']} dropped, {f['duplicated']} duplicated, "
+            f"{f['delayed']} delayed; {f['writes']} writes, {f['segments']} descriptors"
+        )
         print(f"  leftover rooms {res['leftover_rooms']}, workers alive {res['workers_alive']}")
         print("  OK" if res["ok"] else "  FAILED")
     return 0 if res["ok"] else 1

@@ -53,15 +53,33 @@ class LoopbackCluster:
         self.dkv = [bytearray(self.pages * self.page_bytes) for _ in range(self.decode_ranks)]
         self.daux = [bytearray(self.aux_slots * self.aux_bytes) for _ in range(self.decode_ranks)]
         self.prefill = [
-            PrefillManager(r, self.fabric.endpoint(f"prefill/{r}"), self.protocol, kv=self.pkv[r], aux=self.paux[r],
-                           page_bytes=self.page_bytes, aux_slot_bytes=self.aux_bytes, config=cfg, clock=self.clock)
+            PrefillManager(
+                r,
+                self.fabric.endpoint(f"prefill/{r}"),
+                self.protocol,
+                kv=self.pkv[r],
+                aux=self.paux[r],
+                page_bytes=self.page_bytes,
+                aux_slot_bytes=self.aux_bytes,
+                config=cfg,
+                clock=self.clock,
+            )
             for r in range(self.prefill_ranks)
         ]
         peers = {r: f"prefill/{r}" for r in range(self.prefill_ranks)}
         self.decode = [
-            DecodeManager(r, self.fabric.endpoint(f"decode/{r}"), self.protocol, prefill_peers=peers, kv=self.dkv[r],
-                          aux=self.daux[r], page_bytes=self.page_bytes, aux_slot_bytes=self.aux_bytes, config=cfg,
-                          clock=self.clock)
+            DecodeManager(
+                r,
+                self.fabric.endpoint(f"decode/{r}"),
+                self.protocol,
+                prefill_peers=peers,
+                kv=self.dkv[r],
+                aux=self.daux[r],
+                page_bytes=self.page_bytes,
+                aux_slot_bytes=self.aux_bytes,
+                config=cfg,
+                clock=self.clock,
+            )
             for r in range(self.decode_ranks)
         ]
         if self.connect:
@@ -81,7 +99,9 @@ class LoopbackCluster:
                 m.pool.wait_idle(10)
             n = self.fabric.pump(max_items)
             total += n
-            if max_items is not None or (not n and not self.fabric.pending and not any(m.pool.outstanding for m in self.prefill)):
+            if max_items is not None or (
+                not n and not self.fabric.pending and not any(m.pool.outstanding for m in self.prefill)
+            ):
                 return total
 
     def advance(self, seconds: float) -> None:
@@ -100,7 +120,9 @@ class LoopbackCluster:
 
     def aux_equal(self, p_rank: int, src_slot: int, d_rank: int, dst_slot: int) -> bool:
         b = self.aux_bytes
-        return self.daux[d_rank][dst_slot * b : (dst_slot + 1) * b] == self.paux[p_rank][src_slot * b : (src_slot + 1) * b]
+        return (
+            self.daux[d_rank][dst_slot * b : (dst_slot + 1) * b] == self.paux[p_rank][src_slot * b : (src_slot + 1) * b]
+        )
 
     def close(self) -> None:
         for m in self.managers:

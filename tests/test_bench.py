@@ -12,8 +12,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "core.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "core.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "core.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
     assert res["step"]["us_per_step"] > 0 and res["step"]["us_per_step_transitions"] > res["step"]["us_per_step"]

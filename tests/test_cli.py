@@ -27,8 +27,21 @@ def test_demo_summary_is_human_readable() -> None:
 
 
 def test_demo_under_loss_duplication_and_reordering_concludes_every_room() -> None:
-    out = _kvfsm("demo", "--rooms", "60", "--drop", "0.03", "--dup", "0.05", "--delay", "0.2", "--unordered",
-                 "--seed", "3", "--json")
+    out = _kvfsm(
+        "demo",
+        "--rooms",
+        "60",
+        "--drop",
+        "0.03",
+        "--dup",
+        "0.05",
+        "--delay",
+        "0.2",
+        "--unordered",
+        "--seed",
+        "3",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert res["succeeded"] + res["failed"] == 60

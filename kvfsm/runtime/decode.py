@@ -51,8 +51,13 @@ class DecodeManager(Manager):
     side = "decode"
 
     def __init__(
-        self, rank: int, endpoint: Any, protocol: Protocol | None = None, *,
-        prefill_peers: Mapping[int, str], **kwargs: Any,
+        self,
+        rank: int,
+        endpoint: Any,
+        protocol: Protocol | None = None,
+        *,
+        prefill_peers: Mapping[int, str],
+        **kwargs: Any,
     ) -> None:
         super().__init__(rank, endpoint, protocol, **kwargs)
         self._peer_names = dict(prefill_peers)
@@ -92,7 +97,9 @@ class DecodeManager(Manager):
     # ------------------------------------------------------------------ handshake
 
     def _register_pending(self, now: float) -> None:
-        reg = Register(self.rank, self.endpoint.name, self.kv_pages, self.page_bytes, self.aux_slots, self.aux_slot_bytes)
+        reg = Register(
+            self.rank, self.endpoint.name, self.kv_pages, self.page_bytes, self.aux_slots, self.aux_slot_bytes
+        )
         for rank, state in self._links.items():
             if state == "pending":
                 self._send(rank, reg)
@@ -119,7 +126,9 @@ class DecodeManager(Manager):
                 self._count_drop("wrong_sender", f"{msg.TYPE} claiming src {msg.src} from {peer}")
             elif (rt := self._room_for_message(msg.room, msg.TYPE)) is not None:
                 if isinstance(msg, ChunkWritten):
-                    self._dispatch(msg.room, ChunkArrived(msg.src, msg.chunk_id, msg.is_last, msg.page_start, msg.num_pages))
+                    self._dispatch(
+                        msg.room, ChunkArrived(msg.src, msg.chunk_id, msg.is_last, msg.page_start, msg.num_pages)
+                    )
                     rt.bytes += msg.num_pages * self.page_bytes
                 else:
                     self._dispatch(msg.room, AuxArrived(msg.src))

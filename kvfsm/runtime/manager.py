@@ -125,9 +125,13 @@ class Manager:
         self.kv = memoryview(kv).cast("B")
         self.aux = memoryview(aux).cast("B")
         if page_bytes <= 0 or len(self.kv) % page_bytes:
-            raise LocalProtocolError(f"KV region of {len(self.kv)} bytes is not a whole number of {page_bytes}-byte pages")
+            raise LocalProtocolError(
+                f"KV region of {len(self.kv)} bytes is not a whole number of {page_bytes}-byte pages"
+            )
         if aux_slot_bytes <= 0 or len(self.aux) % aux_slot_bytes:
-            raise LocalProtocolError(f"aux region of {len(self.aux)} bytes is not a whole number of {aux_slot_bytes}-byte slots")
+            raise LocalProtocolError(
+                f"aux region of {len(self.aux)} bytes is not a whole number of {aux_slot_bytes}-byte slots"
+            )
         self.page_bytes = page_bytes
         self.aux_slot_bytes = aux_slot_bytes
         self.kv_pages = len(self.kv) // page_bytes
@@ -229,9 +233,13 @@ class Manager:
         if type(rid) is not int or not 0 <= rid <= MAX_ROOM_ID:
             raise LocalProtocolError(f"room id must be an integer in [0, 2**63): {rid!r}")
         if rid in self._rooms:
-            raise LocalProtocolError(f"room {rid} already exists on {self.side} rank {self.rank} (duplicate bootstrap_room)")
+            raise LocalProtocolError(
+                f"room {rid} already exists on {self.side} rank {self.rank} (duplicate bootstrap_room)"
+            )
         if rid in self._tombstones:
-            raise LocalProtocolError(f"room {rid} was used and cleared recently on {self.side} rank {self.rank}; room ids must be unique")
+            raise LocalProtocolError(
+                f"room {rid} was used and cleared recently on {self.side} rank {self.rank}; room ids must be unique"
+            )
         now = self.clock()
         self._rooms[rid] = RoomRuntime(room, now, now)
         self.telemetry.count("rooms_created")

@@ -85,8 +85,12 @@ class PrefillManager(Manager):
                 return
             reg = self._registrations.get(msg.decode_rank)
             event = PagesAnnounced(
-                msg.decode_rank, msg.pages, msg.aux_slot, msg.required_dests,
-                reg.kv_pages if reg else 0, reg.aux_slots if reg else 0,
+                msg.decode_rank,
+                msg.pages,
+                msg.aux_slot,
+                msg.required_dests,
+                reg.kv_pages if reg else 0,
+                reg.aux_slots if reg else 0,
             )
             self._room_event(peer, msg.room, event, msg)
         elif isinstance(msg, AbortNotice):
@@ -105,9 +109,13 @@ class PrefillManager(Manager):
 
     def _on_register(self, peer: str, msg: Register) -> None:
         ok = msg.page_bytes == self.page_bytes and msg.aux_slot_bytes == self.aux_slot_bytes
-        reason = "" if ok else (
-            f"page/aux size {msg.page_bytes}/{msg.aux_slot_bytes} bytes != prefill's "
-            f"{self.page_bytes}/{self.aux_slot_bytes}"
+        reason = (
+            ""
+            if ok
+            else (
+                f"page/aux size {msg.page_bytes}/{msg.aux_slot_bytes} bytes != prefill's "
+                f"{self.page_bytes}/{self.aux_slot_bytes}"
+            )
         )
         bound = self._peer_names.get(msg.decode_rank)
         if bound is not None and bound != peer:
@@ -213,4 +221,3 @@ class PrefillManager(Manager):
                     self._dispatch(rid, WriteFailed(action.dest_rank, chunk_id, f"{type(exc).__name__}: {exc}"))
 
         self.pool.submit(rid, job, on_error)
-

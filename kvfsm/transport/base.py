@@ -60,9 +60,7 @@ class Endpoint(Protocol):
         """Best effort; a dead or unknown peer drops the message (the protocol's timers cover it)."""
         ...
 
-    def write(
-        self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object
-    ) -> int:
+    def write(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         """Copy ``segments`` into ``peer``'s ``region``; then deliver ``notification`` to it and a
         completion for ``tag`` to us. Returns the bytes moved. Raises TransportError *before any
         byte is written* if a segment lies outside either registered region or the peer is dead."""

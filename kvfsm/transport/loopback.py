@@ -148,9 +148,7 @@ class Fabric:
         # caller holds the lock. Candidates: each pair's head (ordered) or every queued item.
         if not self._pending:
             return None
-        cands = [
-            (key, idx) for key, q in self._queues.items() for idx in (range(1) if self.ordered else range(len(q)))
-        ]
+        cands = [(key, idx) for key, q in self._queues.items() for idx in (range(1) if self.ordered else range(len(q)))]
         ready = []
         for key, idx in cands:
             item = self._queues[key][idx]
@@ -189,8 +187,13 @@ class Fabric:
     # ------------------------------------------------------------------ data plane
 
     def _write(
-        self, src: LoopbackEndpoint, peer: str, region: Region, segments: Sequence[Segment],
-        notification: bytes, tag: object,
+        self,
+        src: LoopbackEndpoint,
+        peer: str,
+        region: Region,
+        segments: Sequence[Segment],
+        notification: bytes,
+        tag: object,
     ) -> int:
         with self._lock:
             dst = self._endpoints.get(peer)
@@ -203,7 +206,13 @@ class Fabric:
             raise TransportError(f"write {src.name}->{peer}: {region} region not registered on both ends")
         # Reject before any byte is written.
         for s in segments:
-            if s.length < 0 or s.src < 0 or s.dst < 0 or s.src + s.length > len(src_mv) or s.dst + s.length > len(dst_mv):
+            if (
+                s.length < 0
+                or s.src < 0
+                or s.dst < 0
+                or s.src + s.length > len(src_mv)
+                or s.dst + s.length > len(dst_mv)
+            ):
                 raise TransportError(
                     f"write {src.name}->{peer}: segment {s} outside registered {region} "
                     f"({len(src_mv)} local, {len(dst_mv)} remote bytes)"
@@ -257,9 +266,7 @@ class LoopbackEndpoint:
     def send(self, peer: str, data: bytes) -> None:
         self.fabric._post(self.name, peer, Inbound("message", self.name, data=data), faulty=True)
 
-    def write(
-        self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object
-    ) -> int:
+    def write(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self.fabric._write(self, peer, region, segments, notification, tag)
 
     def inject(self, peer: str, inbound: Inbound) -> None:

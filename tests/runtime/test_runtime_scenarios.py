@@ -22,8 +22,15 @@ def cluster() -> LoopbackCluster:
     c.close()
 
 
-def _run_room(c: LoopbackCluster, rid: int, chunks: list[list[list[int]]], dst: list[list[int]], *,
-              decode_first: bool = True, aux: tuple[int, int] = (1, 2)) -> tuple[list, list]:
+def _run_room(
+    c: LoopbackCluster,
+    rid: int,
+    chunks: list[list[list[int]]],
+    dst: list[list[int]],
+    *,
+    decode_first: bool = True,
+    aux: tuple[int, int] = (1, 2),
+) -> tuple[list, list]:
     """Room ``rid`` on every rank r: prefill rank r sends chunks[r], decode rank r receives into dst[r]."""
     ranks = range(len(c.prefill))
 
@@ -314,8 +321,17 @@ def test_registration_refused_on_page_size_mismatch_fails_decode_rooms_fast() ->
     from kvfsm.transport.loopback import Fabric
 
     c = LoopbackCluster()
-    d = DecodeManager(5, c.fabric.endpoint("decode/5"), c.protocol, prefill_peers={0: "prefill/0"},
-                      kv=bytearray(64 * 128), aux=bytearray(64), page_bytes=128, aux_slot_bytes=32, clock=c.clock)
+    d = DecodeManager(
+        5,
+        c.fabric.endpoint("decode/5"),
+        c.protocol,
+        prefill_peers={0: "prefill/0"},
+        kv=bytearray(64 * 128),
+        aux=bytearray(64),
+        page_bytes=128,
+        aux_slot_bytes=32,
+        clock=c.clock,
+    )
     d.connect()
     c.settle()
     assert d.link_state(0) == "refused"
