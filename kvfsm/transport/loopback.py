@@ -39,6 +39,13 @@ class Faults:
     delay: float = 0.0  # probability it is held back for up to max_delay picks
     max_delay: int = 8
 
+    def __post_init__(self) -> None:
+        for name in ("drop", "dup", "delay"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"Faults.{name} is a probability in [0, 1]")
+        if self.max_delay < 1:
+            raise ValueError("Faults.max_delay must be at least 1 pick")
+
     @property
     def any(self) -> bool:
         return bool(self.drop or self.dup or self.delay)
@@ -117,28 +124,31 @@ class Fabric:
 
     def _post(self, src: str, dst: str, inbound: Inbound, faulty: bool) -> None:
         with self._lock:
-            if src in self._dead:
+            self._post_locked(src, dst, inbound, faulty)
+
+    def _post_locked(self, src: str, dst: str, inbound: Inbound, faulty: bool) -> None:
+        if src in self._dead:
+            return
+        if dst in self._dead or dst not in self._endpoints:
+            self.stats.undeliverable += 1
+            return
+        self._contacts[src].add(dst)
+        self._contacts[dst].add(src)
+        copies = 1
+        hold = 0
+        f = self.faults
+        if faulty and f.any:
+            if f.drop and self.rng.random() < f.drop:
+                self.stats.dropped += 1
                 return
-            if dst in self._dead or dst not in self._endpoints:
-                self.stats.undeliverable += 1
-                return
-            self._contacts[src].add(dst)
-            self._contacts[dst].add(src)
-            copies = 1
-            hold = 0
-            f = self.faults
-            if faulty and f.any:
-                if f.drop and self.rng.random() < f.drop:
-                    self.stats.dropped += 1
-                    return
-                if f.dup and self.rng.random() < f.dup:
-                    self.stats.duplicated += 1
-                    copies = 2
-                if f.delay and self.rng.random() < f.delay:
-                    self.stats.delayed += 1
-                    hold = self.rng.randint(1, f.max_delay)
-            for _ in range(copies):
-                self._enqueue(_Item(src, dst, inbound, hold))
+            if f.dup and self.rng.random() < f.dup:
+                self.stats.duplicated += 1
+                copies = 2
+            if f.delay and self.rng.random() < f.delay:
+                self.stats.delayed += 1
+                hold = self.rng.randint(1, f.max_delay)
+        for _ in range(copies):
+            self._enqueue(_Item(src, dst, inbound, hold))
 
     @property
     def pending(self) -> int:
@@ -176,12 +186,12 @@ class Fabric:
                     break
                 ep = self._endpoints.get(item.dst)
                 dead = item.dst in self._dead
-            n += 1
-            if ep is None or dead or ep.handler is None:
-                self.stats.undeliverable += 1
-                continue
-            self.stats.delivered += 1
-            ep.handler(item.inbound)
+                n += 1
+                if ep is None or dead or ep.handler is None:
+                    self.stats.undeliverable += 1
+                    continue
+                self.stats.delivered += 1
+            ep.handler(item.inbound)  # never under the lock: handlers send and write
         return n
 
     # ------------------------------------------------------------------ data plane
@@ -204,6 +214,8 @@ class Fabric:
         dst_mv = dst.region(region)
         if src_mv is None or dst_mv is None:
             raise TransportError(f"write {src.name}->{peer}: {region} region not registered on both ends")
+        if dst_mv.readonly:
+            raise TransportError(f"write {src.name}->{peer}: {peer}'s {region} region is read-only")
         # Reject before any byte is written.
         for s in segments:
             if (
@@ -231,9 +243,21 @@ class Fabric:
             self.stats.bytes_written += moved
             self.stats.writes += 1
             self.stats.segments += len(segments)
-        # Data first, then its notification; the completion races with it.
-        self._post(src.name, peer, Inbound("notification", src.name, data=notification), faulty=True)
-        self._post(peer, src.name, Inbound("completion", peer, tag=tag), faulty=False)
+            if src.name in self._dead:
+                return moved  # the writer died meanwhile: nobody left to tell
+            if peer in self._dead:
+                # The peer died during the copy: the writer still learns the fate of its write.
+                self._enqueue(
+                    _Item(
+                        peer,
+                        src.name,
+                        Inbound("completion", peer, tag=tag, ok=False, reason=f"{peer} crashed during the write"),
+                    )
+                )
+                return moved
+            # Data first, then its notification; the completion races with it.
+            self._post_locked(src.name, peer, Inbound("notification", src.name, data=notification), faulty=True)
+            self._post_locked(peer, src.name, Inbound("completion", peer, tag=tag), faulty=False)
         return moved
 
 
@@ -257,7 +281,11 @@ class LoopbackEndpoint:
         self._addr = {"kv": _address(self._kv), "aux": _address(self._aux)}
 
     def region(self, region: Region) -> memoryview | None:
-        return self._kv if region == "kv" else self._aux
+        if region == "kv":
+            return self._kv
+        if region == "aux":
+            return self._aux
+        raise TransportError(f"unknown region {region!r}: 'kv' or 'aux'")
 
     def address(self, region: Region) -> int:
         """Base address of a registered writable region (0: unknown, copy through memoryview)."""
