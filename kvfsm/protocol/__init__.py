@@ -16,8 +16,8 @@ from kvfsm.protocol.actions import (
     SetTimer,
 )
 from kvfsm.protocol.errors import (
-    KVTransferError,
     KvfsmError,
+    KVTransferError,
     LocalProtocolError,
     MalformedMessage,
     RemoteProtocolError,

@@ -67,12 +67,4 @@ class RecordProtocolError:
     reason: str
 
 
-Action = (
-    SendMessage
-    | PostWrite
-    | PostAuxWrite
-    | SetTimer
-    | CancelTimer
-    | RecordIgnored
-    | RecordProtocolError
-)
+Action = SendMessage | PostWrite | PostAuxWrite | SetTimer | CancelTimer | RecordIgnored | RecordProtocolError

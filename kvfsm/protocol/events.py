@@ -56,7 +56,7 @@ class TimerFired:
     cause: ClassVar[Cause] = "local"
 
     @property
-    def trigger(self) -> str:  # type: ignore[override]
+    def trigger(self) -> str:
         return f"{self.timer}_timeout"
 
 

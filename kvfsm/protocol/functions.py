@@ -44,6 +44,19 @@ GUARDS: dict[str, Guard] = {}
 ACTIONS: dict[str, ActionFn] = {}
 EXPLAIN: dict[str, Callable[[Any, Any], str]] = {}
 
+# What the text after ":" may be, checked when machines are built: "timer" (a timer of the
+# machine), "text" (free text), a tuple of allowed words; actions not listed take no argument.
+ACTION_ARGS: dict[str, str | tuple[str, ...]] = {
+    "arm": "timer",
+    "arm_once": "timer",
+    "cancel": "timer",
+    "fail": "text",
+    "ignore": "text",
+    "tell_decode": ("failed", "aborted"),
+    "tell_announcer": ("failed", "aborted"),
+    "tell_prefill": ("aborted",),
+}
+
 
 def guard(fn: Guard) -> Guard:
     GUARDS[fn.__name__] = fn
@@ -116,7 +129,7 @@ EXPLAIN["invalid room_pages"] = _announce_problem
 @guard
 def announce_completes(room: PrefillRoom, ev: Any) -> bool:
     """With this announcement every expected decode rank has announced."""
-    return len(room.dests) + 1 == ev.required_dests
+    return bool(len(room.dests) + 1 == ev.required_dests)
 
 
 def _fits(room: PrefillRoom, dests: list[Announcement], pages_before: int, chunks: list[ChunkReady]) -> bool:
@@ -264,15 +277,13 @@ def _prefill_notice(room: PrefillRoom, kind: str, reason: str) -> AbortNotice | 
 @guard
 def alloc_ok(room: DecodeRoom, ev: Any) -> bool:
     """The engine's pages and aux slot lie in this rank's registered region, pages distinct."""
-    return (
-        _within(ev.pages, room.kv_pages)
-        and _distinct(ev.pages)
-        and 0 <= ev.aux_slot < room.aux_slots
-    )
+    return _within(ev.pages, room.kv_pages) and _distinct(ev.pages) and 0 <= ev.aux_slot < room.aux_slots
 
 
 EXPLAIN["alloc_ok"] = lambda room, ev: (
-    "" if alloc_ok(room, ev) else f"pages or aux slot outside the registered {room.kv_pages} pages / {room.aux_slots} slots, or a page twice"
+    ""
+    if alloc_ok(room, ev)
+    else f"pages or aux slot outside the registered {room.kv_pages} pages / {room.aux_slots} slots, or a page twice"
 )
 
 
@@ -351,6 +362,15 @@ def coverage_exact(room: DecodeRoom, ev: Any) -> bool:
 @guard
 def source_expected(room: DecodeRoom, ev: Any) -> bool:
     return ev.src in room.sources
+
+
+@guard
+def notice_from_source(room: DecodeRoom, ev: Any) -> bool:
+    """The abort, failure or loss concerns one of this room's sources."""
+    rank = (
+        ev.peer_rank if ev.trigger == "peer_lost" else ev.prefill_rank if ev.trigger == "failure_received" else ev.rank
+    )
+    return rank in room.sources
 
 
 @guard

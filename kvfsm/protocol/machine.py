@@ -19,16 +19,16 @@ left as it is and only the RecordProtocolError is returned (Success never turns 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from transitions import Machine
 
 from kvfsm.protocol.actions import Action, RecordProtocolError
 from kvfsm.protocol.errors import LocalProtocolError, SpecError
 from kvfsm.protocol.events import Event
-from kvfsm.protocol.functions import ACTIONS, EXPLAIN, GUARDS, StepContext
+from kvfsm.protocol.functions import ACTION_ARGS, ACTIONS, EXPLAIN, GUARDS, StepContext
 from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
 from kvfsm.protocol.spec import MachineSpec, ProtocolSpec, load_spec
 from kvfsm.protocol.wire import Codec
@@ -81,13 +81,22 @@ def _guard(name: str) -> _GuardCall:
     return _GuardCall(fn)
 
 
-def _bind_actions(names: Sequence[str]) -> list[Callback]:
+def _bind_actions(names: Sequence[str], timers: Collection[str]) -> list[Callback]:
     out: list[Callback] = []
     for spec_name in names:
         name, _, arg = spec_name.partition(":")
         fn = ACTIONS.get(name)
         if fn is None:
             raise SpecError(f"unknown action {name!r} (known: {sorted(ACTIONS)})")
+        kind = ACTION_ARGS.get(name)
+        if kind is None and arg:
+            raise SpecError(f"action {name!r} takes no argument, got {spec_name!r}")
+        if kind == "timer" and arg not in timers:
+            raise SpecError(f"{spec_name!r}: {arg!r} is not a timer of this machine ({sorted(timers)})")
+        if kind == "text" and not arg:
+            raise SpecError(f"{spec_name!r}: {name} needs a text argument ({name}:why)")
+        if isinstance(kind, tuple) and arg not in kind:
+            raise SpecError(f"{spec_name!r}: argument must be one of {list(kind)}")
         out.append(_Bound(name, fn, arg))
     return out
 
@@ -114,8 +123,11 @@ class RoomMachine:
             self.timeouts.update(timeouts)
         self._kvpoll = {name: (kvpoll[s.kvpoll] if s.kvpoll else None) for name, s in spec.states.items()}
         self._timer_triggers = {t.trigger for t in spec.timers.values()}
-        self._on_create = _bind_actions(spec.on_create)
-        self._error_callbacks = (*_bind_actions(spec.error_actions), _RowMark("on_remote_error"))
+        self._on_create = _bind_actions(spec.on_create, spec.timers)
+        self._error_callbacks: tuple[Callback, ...] = (
+            *_bind_actions(spec.error_actions, spec.timers),
+            _RowMark("on_remote_error"),
+        )
         self.machine = self._build_transitions()
         self.table = self._compile()
 
@@ -131,9 +143,9 @@ class RoomMachine:
             ignore_invalid_triggers=False,
         )
         for row in self.spec.rows:
-            conditions = [_guard(g) for g in row.guards if not g.startswith("!")]
-            unless = [_guard(g[1:]) for g in row.guards if g.startswith("!")]
-            after = [*_bind_actions(row.actions), _RowMark(row.id)]
+            conditions: list[Any] = [_guard(g) for g in row.guards if not g.startswith("!")]
+            unless: list[Any] = [_guard(g[1:]) for g in row.guards if g.startswith("!")]
+            after: list[Any] = [*_bind_actions(row.actions, self.spec.timers), _RowMark(row.id)]
             for trigger in row.triggers:
                 for src in row.sources:
                     m.add_transition(trigger, src, row.dest, conditions=conditions, unless=unless, after=after)
@@ -150,10 +162,10 @@ class RoomMachine:
                     rows.append(
                         CompiledRow(
                             row_id=marks[-1].row_id,
-                            conditions=tuple(c.func.fn for c in t.conditions if c.target),
-                            unless=tuple(c.func.fn for c in t.conditions if not c.target),
+                            conditions=tuple(cast(_GuardCall, c.func).fn for c in t.conditions if c.target),
+                            unless=tuple(cast(_GuardCall, c.func).fn for c in t.conditions if not c.target),
                             dest=t.dest,
-                            callbacks=tuple(t.after),
+                            callbacks=tuple(cast(list[Callback], t.after)),
                         )
                     )
                 table[(state, trigger)] = tuple(rows)

@@ -176,8 +176,14 @@ def _load_machine(path: Path, kvpoll: dict[str, int], event_keys: set[str]) -> M
         dest = None if dest_raw == "=" else leaf(dest_raw, f"row {rid} dest")
         rows.append(
             RowSpec(
-                rid, decl, sources, triggers, _tuple(r.get("guard")), dest,
-                _tuple(r.get("actions")), r.get("why", ""),
+                rid,
+                decl,
+                sources,
+                triggers,
+                _tuple(r.get("guard")),
+                dest,
+                _tuple(r.get("actions")),
+                r.get("why", ""),
             )
         )
     err = m["on_remote_error"]

@@ -16,6 +16,7 @@ from kvfsm.protocol.errors import MalformedMessage, SpecError, UnsupportedVersio
 
 MAX_STR = 1024
 MAX_LIST = 1 << 20
+MAX_MESSAGE = 16 << 20  # bytes; a room_pages of MAX_LIST pages fits
 U32 = 1 << 32
 U64 = 1 << 63
 
@@ -89,8 +90,7 @@ class AuxWritten:
 Message = Register | RegisterAck | RoomPages | AbortNotice | RoomFailed | ChunkWritten | AuxWritten
 
 MESSAGE_CLASSES: dict[str, type[Any]] = {
-    cls.TYPE: cls
-    for cls in (Register, RegisterAck, RoomPages, AbortNotice, RoomFailed, ChunkWritten, AuxWritten)
+    cls.TYPE: cls for cls in (Register, RegisterAck, RoomPages, AbortNotice, RoomFailed, ChunkWritten, AuxWritten)
 }
 
 
@@ -164,14 +164,16 @@ class Codec:
 
     def decode(self, data: bytes) -> Message:
         """Decode and validate; raises MalformedMessage or UnsupportedVersion (drop and count)."""
+        if len(data) > MAX_MESSAGE:
+            raise MalformedMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
         try:
             obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise MalformedMessage(f"not a JSON message: {e}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise MalformedMessage(f"not a JSON message: {type(e).__name__}") from None
         if type(obj) is not dict:
             raise MalformedMessage("message is not an object")
         version = obj.pop("v", None)
-        if version != self.version:
+        if type(version) is not int or version != self.version:
             raise UnsupportedVersion(f"protocol version {version!r}; this build speaks {self.version}")
         mtype = obj.pop("t", None)
         entry = self._checks.get(mtype) if type(mtype) is str else None

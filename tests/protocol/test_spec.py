@@ -1,0 +1,236 @@
+"""spec/ is the single source of truth: it loads, the code agrees with it, and bad edits fail at load."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvfsm.protocol import EVENT_CLASSES, RoomMachine, SpecError, load_spec
+from kvfsm.protocol.functions import ACTIONS, GUARDS
+from kvfsm.protocol.spec import spec_dir
+from kvfsm.protocol.wire import MESSAGE_CLASSES, Codec
+
+SPEC = load_spec()
+MACHINE_NAMES = ("prefill_room", "decode_room")
+
+
+def test_spec_loads_with_both_room_machines():
+    assert SPEC.name == "kvfsm-push"
+    assert SPEC.mode == "push"
+    assert SPEC.version == 1
+    assert set(SPEC.machines) == set(MACHINE_NAMES)
+    assert SPEC.machines["prefill_room"].initial == "Bootstrapping.Waiting"
+    assert SPEC.machines["decode_room"].initial == "Bootstrapping"
+    for m in SPEC.machines.values():
+        assert m.rows, f"{m.name} has no transition rows"
+        assert not m.states[m.initial].terminal
+        assert m.error_dest == "Failed"
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_every_state_but_cleared_projects_to_a_kvpoll_code(name):
+    for state in SPEC.machines[name].states.values():
+        if state.name == "Cleared":
+            assert state.kvpoll is None and state.terminal
+        else:
+            assert state.kvpoll in SPEC.kvpoll, state.name
+
+
+def test_event_classes_match_spec_events_field_for_field():
+    assert set(EVENT_CLASSES) == {e.class_name for e in SPEC.events.values()}
+    for key, ev in SPEC.events.items():
+        cls = EVENT_CLASSES[ev.class_name]
+        assert [f.name for f in dataclasses.fields(cls)] == list(ev.fields), ev.class_name
+        assert cls.cause == ev.cause, ev.class_name
+        if ev.class_name != "TimerFired":  # its trigger is the timer's own
+            assert cls.trigger == key, ev.class_name
+
+
+def test_timer_fired_carries_the_timer_and_takes_the_timers_trigger():
+    assert [f.name for f in dataclasses.fields(EVENT_CLASSES["TimerFired"])] == ["timer"]
+    for m in SPEC.machines.values():
+        for t in m.timers.values():
+            assert EVENT_CLASSES["TimerFired"](t.name).trigger == t.trigger
+
+
+def test_wire_message_classes_match_spec_messages():
+    assert set(MESSAGE_CLASSES) == set(SPEC.messages)
+    Codec(SPEC.version, {n: m.fields for n, m in SPEC.messages.items()})  # checks field names and types
+
+
+def test_codec_refuses_a_spec_whose_message_fields_differ_from_the_classes():
+    fields = {n: dict(m.fields) for n, m in SPEC.messages.items()}
+    del fields["room_pages"]["aux_slot"]
+    with pytest.raises(SpecError, match="room_pages"):
+        Codec(SPEC.version, fields)
+
+
+def test_codec_refuses_an_unknown_field_type():
+    fields = {n: dict(m.fields) for n, m in SPEC.messages.items()}
+    fields["abort"]["reason"] = "text"
+    with pytest.raises(SpecError, match="unknown field type"):
+        Codec(SPEC.version, fields)
+
+
+def test_codec_refuses_a_declared_message_without_a_class():
+    fields = {n: dict(m.fields) for n, m in SPEC.messages.items()}
+    fields["gossip"] = {"room": "u64"}
+    with pytest.raises(SpecError, match="gossip"):
+        Codec(SPEC.version, fields)
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_every_non_terminal_state_has_a_timeout(name):
+    m = SPEC.machines[name]
+    timer_triggers = {t.trigger for t in m.timers.values()}
+    for state in m.states.values():
+        if state.terminal:
+            continue
+        rows = [r.id for r in m.rows if state.name in r.sources and timer_triggers & set(r.triggers)]
+        assert rows, f"{name}: {state.name} has no timeout row: a room could wait there forever"
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_no_row_leaves_a_terminal_state_except_clear(name):
+    m = SPEC.machines[name]
+    for row in m.rows:
+        for src in row.sources:
+            if m.states[src].terminal and row.dest not in (None, "Cleared"):
+                pytest.fail(f"row {row.id} leaves terminal {src} for {row.dest}")
+            if row.dest == "Cleared":
+                assert row.triggers == ("clear",) and m.states[src].terminal
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_timer_actions_name_timers_of_their_machine(name):
+    # The loader does not check action arguments; a typo here would be a KeyError at run time.
+    m = SPEC.machines[name]
+    for where, actions in [("on_create", m.on_create), *((r.id, r.actions) for r in m.rows)]:
+        for spec_name in actions:
+            action, _, arg = spec_name.partition(":")
+            if action in ("arm", "arm_once", "cancel"):
+                assert arg in m.timers, f"{name} {where}: {spec_name} names no timer of {sorted(m.timers)}"
+            if action in ("tell_decode", "tell_prefill", "tell_announcer"):
+                assert arg in ("failed", "aborted"), f"{name} {where}: {spec_name}"
+
+
+def test_every_registered_guard_and_action_is_named_by_the_spec():
+    guards, actions = set(), set()
+    for m in SPEC.machines.values():
+        for row in m.rows:
+            guards |= {g.lstrip("!") for g in row.guards}
+            actions |= {a.partition(":")[0] for a in row.actions}
+        actions |= {a.partition(":")[0] for a in (*m.on_create, *m.error_actions)}
+    assert guards == set(GUARDS), "a guard is named by the spec but not registered, or registered and dead"
+    assert actions == set(ACTIONS), "an action is named by the spec but not registered, or registered and dead"
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_machines_build_from_the_repository_spec(name):
+    m = RoomMachine(SPEC.machines[name], SPEC.kvpoll)
+    for row in SPEC.machines[name].rows:
+        for src in row.sources:
+            for trigger in row.triggers:
+                assert m.accepts(src, trigger), (row.id, src, trigger)
+
+
+# ---------------------------------------------------------------- bad edits fail at load
+
+
+def _edited_spec(tmp_path: Path, file: str, old: str, new: str) -> str:
+    """A copy of spec/ with ``old`` replaced by ``new`` (exactly once) in ``file``."""
+    d = tmp_path / "spec"
+    shutil.copytree(spec_dir(), d)
+    text = (d / file).read_text()
+    assert text.count(old) == 1, f"{old!r} occurs {text.count(old)} times in {file}"
+    (d / file).write_text(text.replace(old, new))
+    return str(d)  # load_spec is cached per directory string; tmp_path is new for every test
+
+
+def test_copied_spec_loads_and_builds(tmp_path):
+    spec = load_spec(_edited_spec(tmp_path, "protocol.toml", 'name = "kvfsm-push"', 'name = "kvfsm-push"'))
+    RoomMachine(spec.machines["prefill_room"], spec.kvpoll)
+    RoomMachine(spec.machines["decode_room"], spec.kvpoll)
+
+
+@pytest.mark.parametrize(
+    ("file", "machine", "old", "new", "named"),
+    [
+        ("prefill_room.toml", "prefill_room", 'guard = ["chunk_ok"]\ndest = "Bootstrapping.Holding"',
+         'guard = ["chunk_okay"]\ndest = "Bootstrapping.Holding"', "chunk_okay"),
+        ("prefill_room.toml", "prefill_room", 'guard = ["!announce_valid"]', 'guard = ["!announce_vaild"]',
+         "announce_vaild"),
+        ("decode_room.toml", "decode_room", 'guard = ["aux_repeat"]', 'guard = ["aux_reppeat"]', "aux_reppeat"),
+    ],
+)  # fmt: skip
+def test_unknown_guard_fails_when_the_machine_is_built(tmp_path, file, machine, old, new, named):
+    spec = load_spec(_edited_spec(tmp_path, file, old, new))
+    with pytest.raises(SpecError, match=named):
+        RoomMachine(spec.machines[machine], spec.kvpoll)
+
+
+@pytest.mark.parametrize(
+    ("file", "machine", "old", "new", "named"),
+    [
+        ("prefill_room.toml", "prefill_room", 'actions = ["hold_chunk", "arm_once:hold"]',
+         'actions = ["hold_chunks", "arm_once:hold"]', "hold_chunks"),
+        ("decode_room.toml", "decode_room", 'on_create = ["arm:bootstrap"]', 'on_create = ["arm_timer:bootstrap"]',
+         "arm_timer"),
+        ("decode_room.toml", "decode_room", 'actions = ["fail:protocol_error", "tell_prefill:aborted", "cancel_timers"]',
+         'actions = ["fail:protocol_error", "tell_prefil:aborted", "cancel_timers"]', "tell_prefil"),
+    ],
+)  # fmt: skip
+def test_unknown_action_fails_when_the_machine_is_built(tmp_path, file, machine, old, new, named):
+    spec = load_spec(_edited_spec(tmp_path, file, old, new))
+    with pytest.raises(SpecError, match=named):
+        RoomMachine(spec.machines[machine], spec.kvpoll)
+
+
+@pytest.mark.parametrize(
+    ("file", "machine", "old", "new", "message"),
+    [
+        ("prefill_room.toml", "prefill_room", 'actions = ["hold_chunk", "arm_once:hold"]',
+         'actions = ["hold_chunk", "arm_once:hodl"]', "not a timer"),
+        ("decode_room.toml", "decode_room", 'on_create = ["arm:bootstrap"]', 'on_create = ["arm:transfr"]',
+         "not a timer"),
+        ("prefill_room.toml", "prefill_room", 'actions = ["fail:aborted", "tell_decode:aborted", "cancel_timers"]',
+         'actions = ["fail:aborted", "tell_decode:abortd", "cancel_timers"]', "must be one of"),
+        ("prefill_room.toml", "prefill_room", 'actions = ["hold_chunk", "arm_once:hold"]',
+         'actions = ["hold_chunk:now", "arm_once:hold"]', "takes no argument"),
+        ("decode_room.toml", "decode_room", 'actions = ["fail:peer", "cancel_timers"]',
+         'actions = ["fail", "cancel_timers"]', "needs a text argument"),
+    ],
+)  # fmt: skip
+def test_a_bad_action_argument_fails_when_the_machine_is_built(tmp_path, file, machine, old, new, message):
+    spec = load_spec(_edited_spec(tmp_path, file, old, new))
+    with pytest.raises(SpecError, match=message):
+        RoomMachine(spec.machines[machine], spec.kvpoll)
+
+
+@pytest.mark.parametrize(
+    ("file", "old", "new", "message"),
+    [
+        # unknown state as a row's source, and as its dest
+        ("prefill_room.toml", 'source = "Bootstrapping.Holding"\ntrigger = "pages_announced"\nguard = ["held_has_last"]',
+         'source = "Bootstrapping.Hodling"\ntrigger = "pages_announced"\nguard = ["held_has_last"]', "unknown state"),
+        ("decode_room.toml", 'dest = "WaitingForInput.Allocating"', 'dest = "WaitingForInput.Allocated"',
+         "not a leaf state"),
+        # a parent state with children is not a destination
+        ("decode_room.toml", 'dest = "WaitingForInput.Allocating"', 'dest = "WaitingForInput"', "not a leaf state"),
+        # unknown trigger, and a timer trigger of a timer this machine does not have
+        ("decode_room.toml", 'trigger = "peers_ready"\ndest', 'trigger = "peers_readied"\ndest', "unknown trigger"),
+        ("decode_room.toml", 'trigger = "transfer_timeout"\ndest', 'trigger = "hold_timeout"\ndest', "unknown trigger"),
+        # two rows with one id
+        ("prefill_room.toml", 'id = "P27"', 'id = "P26"', "duplicate row id"),
+        # a state projecting to a KVPoll code that does not exist
+        ("decode_room.toml", 'kvpoll = "Transferring"', 'kvpoll = "Moving"', "unknown KVPoll"),
+        # an event cause that is neither local nor remote
+        ("events.toml", 'class = "PeerLost"\ncause = "remote"', 'class = "PeerLost"\ncause = "peer"', "cause"),
+    ],
+)  # fmt: skip
+def test_inconsistent_spec_fails_at_load(tmp_path, file, old, new, message):
+    with pytest.raises(SpecError, match=message):
+        load_spec(_edited_spec(tmp_path, file, old, new))
