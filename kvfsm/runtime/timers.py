@@ -1,8 +1,10 @@
 """Timer wheel: the runtime side of SetTimer / CancelTimer actions.
 
-Deadlines are on the manager's clock. Cancel and re-arm are O(1) (lazy deletion: a heap entry
-fires only if it is still the armed generation); the heap is compacted when stale entries
-dominate, so re-arming an inactivity timer on every chunk does not grow memory without bound.
+Deadlines are on the manager's clock. Set, cancel and re-arm are O(log n) / O(1): armed timers
+are indexed by room (so forgetting a room costs its own timers, not every live room's), and heap
+entries are deleted lazily (an entry fires only if it is still the armed generation). The heap is
+compacted when stale entries dominate, so re-arming an inactivity timer on every chunk does not
+grow memory without bound.
 """
 
 from __future__ import annotations
@@ -13,30 +15,43 @@ import heapq
 class TimerWheel:
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, int, str]] = []
-        self._armed: dict[tuple[int, str], int] = {}
+        self._armed: dict[int, dict[str, int]] = {}  # room -> timer -> generation
+        self._count = 0
         self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._armed)
+        return self._count
+
+    def _is_armed(self, room: int, timer: str, seq: int) -> bool:
+        timers = self._armed.get(room)
+        return timers is not None and timers.get(timer) == seq
 
     def set(self, room: int, timer: str, deadline: float) -> None:
         self._seq += 1
-        self._armed[(room, timer)] = self._seq
+        timers = self._armed.setdefault(room, {})
+        if timer not in timers:
+            self._count += 1
+        timers[timer] = self._seq
         heapq.heappush(self._heap, (deadline, self._seq, room, timer))
-        if len(self._heap) > 1024 and len(self._heap) > 4 * len(self._armed):
+        if len(self._heap) > 1024 and len(self._heap) > 4 * self._count:
             self._compact()
 
     def cancel(self, room: int, timer: str) -> None:
-        self._armed.pop((room, timer), None)
+        timers = self._armed.get(room)
+        if timers is not None and timers.pop(timer, None) is not None:
+            self._count -= 1
+            if not timers:
+                del self._armed[room]
 
     def cancel_room(self, room: int) -> None:
-        for key in [k for k in self._armed if k[0] == room]:
-            del self._armed[key]
+        timers = self._armed.pop(room, None)
+        if timers:
+            self._count -= len(timers)
 
     def next_deadline(self) -> float | None:
         while self._heap:
             deadline, seq, room, timer = self._heap[0]
-            if self._armed.get((room, timer)) == seq:
+            if self._is_armed(room, timer, seq):
                 return deadline
             heapq.heappop(self._heap)
         return None
@@ -46,11 +61,11 @@ class TimerWheel:
         due = []
         while self._heap and self._heap[0][0] <= now:
             _, seq, room, timer = heapq.heappop(self._heap)
-            if self._armed.get((room, timer)) == seq:
-                del self._armed[(room, timer)]
+            if self._is_armed(room, timer, seq):
+                self.cancel(room, timer)
                 due.append((room, timer))
         return due
 
     def _compact(self) -> None:
-        self._heap = [e for e in self._heap if self._armed.get((e[2], e[3])) == e[1]]
+        self._heap = [e for e in self._heap if self._is_armed(e[2], e[3], e[1])]
         heapq.heapify(self._heap)

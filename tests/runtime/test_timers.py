@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+from kvfsm.runtime.timers import TimerWheel
+
+
+def test_due_timers_fire_in_deadline_order_once() -> None:
+    w = TimerWheel()
+    w.set(1, "a", 5.0)
+    w.set(2, "a", 3.0)
+    w.set(1, "b", 4.0)
+    assert w.next_deadline() == 3.0
+    assert w.pop_due(4.5) == [(2, "a"), (1, "b")]
+    assert w.pop_due(4.5) == []
+    assert len(w) == 1 and w.pop_due(10) == [(1, "a")] and len(w) == 0
+
+
+def test_rearming_replaces_the_deadline_and_cancel_disarms() -> None:
+    w = TimerWheel()
+    w.set(1, "t", 1.0)
+    w.set(1, "t", 9.0)  # re-armed: the old entry must not fire
+    assert w.pop_due(5.0) == [] and len(w) == 1
+    w.cancel(1, "t")
+    assert w.pop_due(100.0) == [] and len(w) == 0 and w.next_deadline() is None
+
+
+def test_cancel_room_forgets_only_that_room() -> None:
+    w = TimerWheel()
+    for room in range(5):
+        w.set(room, "x", float(room))
+        w.set(room, "y", float(room) + 0.5)
+    w.cancel_room(2)
+    assert len(w) == 8
+    assert sorted(w.pop_due(100.0)) == sorted((r, t) for r in (0, 1, 3, 4) for t in ("x", "y"))
+
+
+def test_stale_entries_are_compacted() -> None:
+    w = TimerWheel()
+    for i in range(5000):
+        w.set(1, "t", float(i))  # one armed timer, thousands of re-arms
+    assert len(w) == 1 and len(w._heap) <= 4 * 1024
