@@ -21,9 +21,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvfsm.protocol import KVPoll, Protocol
-from kvfsm.runtime import DecodeManager, KVReceiver, KVSender, PrefillManager, RuntimeConfig
-from kvfsm.transport.loopback import Fabric, Faults
+from kvfsm.protocol import KVPoll
+from kvfsm.runtime import KVReceiver, KVSender, RuntimeConfig
+from kvfsm.testing import LoopbackCluster
+from kvfsm.transport.loopback import Faults
 
 
 @dataclass
@@ -80,9 +81,7 @@ class PagePool:
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     rng = random.Random(cfg.seed)
-    fabric = Fabric(cfg.seed, ordered=cfg.ordered, faults=Faults(cfg.drop, cfg.dup, cfg.delay))
     clock = SkipClock()
-    protocol = Protocol()
     rcfg = RuntimeConfig(
         workers=cfg.workers,
         timeouts={
@@ -97,54 +96,28 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     pages_per_room = cfg.chunks * cfg.pages_per_chunk
     region_pages = pages_per_room * cfg.concurrency
     aux_slots = cfg.concurrency
-    prefill: list[PrefillManager] = []
-    decode: list[DecodeManager] = []
-    pkv: list[bytearray] = []
-    paux: list[bytearray] = []
-    dkv: list[bytearray] = []
-    daux: list[bytearray] = []
-    for r in range(cfg.ranks):
-        pkv.append(bytearray(rng.randbytes(region_pages * cfg.page_bytes)))
-        paux.append(bytearray(rng.randbytes(aux_slots * cfg.aux_bytes)))
-        dkv.append(bytearray(region_pages * cfg.page_bytes))
-        daux.append(bytearray(aux_slots * cfg.aux_bytes))
-        prefill.append(
-            PrefillManager(
-                r,
-                fabric.endpoint(f"prefill/{r}"),
-                protocol,
-                kv=pkv[r],
-                aux=paux[r],
-                page_bytes=cfg.page_bytes,
-                aux_slot_bytes=cfg.aux_bytes,
-                config=rcfg,
-                clock=clock,
-            )
-        )
-        decode.append(
-            DecodeManager(
-                r,
-                fabric.endpoint(f"decode/{r}"),
-                protocol,
-                prefill_peers={r: f"prefill/{r}"},
-                kv=dkv[r],
-                aux=daux[r],
-                page_bytes=cfg.page_bytes,
-                aux_slot_bytes=cfg.aux_bytes,
-                config=rcfg,
-                clock=clock,
-            )
-        )
-    for d in decode:
-        d.connect()
-    managers: list[PrefillManager | DecodeManager] = [*prefill, *decode]
+    cluster = LoopbackCluster(
+        prefill_ranks=cfg.ranks,
+        decode_ranks=cfg.ranks,
+        pages=region_pages,
+        page_bytes=cfg.page_bytes,
+        aux_slots=aux_slots,
+        aux_bytes=cfg.aux_bytes,
+        seed=cfg.seed,
+        ordered=cfg.ordered,
+        faults=Faults(cfg.drop, cfg.dup, cfg.delay),
+        clock=clock,
+        config=rcfg,
+    )
+    fabric, prefill, decode = cluster.fabric, cluster.prefill, cluster.decode
+    pkv, paux, dkv, daux = cluster.pkv, cluster.paux, cluster.dkv, cluster.daux
+    managers = cluster.managers
 
     def settle() -> None:
         """Deliver everything that can be delivered; fire timers that are due."""
         while True:
-            moved = fabric.pump()
+            moved = cluster.settle()
             for m in managers:
-                m.pool.wait_idle()
                 m.tick()
             if not moved and not fabric.pending:
                 return
@@ -255,8 +228,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     leftovers = sum(m.live_rooms() for m in managers)
     workers_alive = sum(m.pool.alive for m in managers)
     stats = {f"{m.side}{m.rank}": m.stats() for m in managers}
-    for m in managers:
-        m.close()
+    cluster.close()
     expected_ok = outcome["success"] == cfg.rooms if not cfg.faulty else True
     result = {
         "config": asdict(cfg),

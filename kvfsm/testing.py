@@ -7,6 +7,7 @@ KV contents, so a test can drive rooms step by step and check every byte at deco
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvfsm.protocol import KVPoll, Protocol
@@ -41,13 +42,14 @@ class LoopbackCluster:
     faults: Faults = field(default_factory=Faults)
     timeouts: dict[str, float] = field(default_factory=dict)
     connect: bool = True
+    clock: Callable[[], float] = field(default_factory=ManualClock)
+    config: RuntimeConfig | None = None  # overrides workers and timeouts when given
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
-        self.clock = ManualClock()
         self.fabric = Fabric(self.seed, ordered=self.ordered, faults=self.faults)
         self.protocol = Protocol()
-        cfg = RuntimeConfig(workers=self.workers, timeouts=dict(self.timeouts))
+        cfg = self.config or RuntimeConfig(workers=self.workers, timeouts=dict(self.timeouts))
         self.pkv = [bytearray(rng.randbytes(self.pages * self.page_bytes)) for _ in range(self.prefill_ranks)]
         self.paux = [bytearray(rng.randbytes(self.aux_slots * self.aux_bytes)) for _ in range(self.prefill_ranks)]
         self.dkv = [bytearray(self.pages * self.page_bytes) for _ in range(self.decode_ranks)]
@@ -105,7 +107,8 @@ class LoopbackCluster:
                 return total
 
     def advance(self, seconds: float) -> None:
-        """Move the clock and fire due timers on every manager, then settle."""
+        """Move the (manual) clock and fire due timers on every manager, then settle."""
+        assert isinstance(self.clock, ManualClock), "advance() needs the default ManualClock"
         self.clock.advance(seconds)
         for m in self.managers:
             m.tick()

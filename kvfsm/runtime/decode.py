@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvfsm.protocol import KVTransferError, Protocol
+from kvfsm.protocol import Protocol
 from kvfsm.protocol.events import (
     AbortReceived,
     AuxArrived,
@@ -17,34 +17,19 @@ from kvfsm.protocol.events import (
 )
 from kvfsm.protocol.rooms import DecodeRoom
 from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, Message, Register, RegisterAck, RoomFailed
-from kvfsm.runtime.manager import Manager, log
+from kvfsm.runtime.manager import Manager, RoomHandle, log
 
 
-class KVReceiver:
+class KVReceiver(RoomHandle):
     """One room on one decode rank, as the engine sees it (SGLang's KVReceiver)."""
 
-    __slots__ = ("manager", "room")
-
-    def __init__(self, manager: DecodeManager, room: int) -> None:
-        self.manager = manager
-        self.room = room
+    __slots__ = ()
+    manager: DecodeManager
 
     def init(self, pages: list[int] | tuple[int, ...], aux_slot: int) -> None:
         """Announce the allocated pages and aux slot to every source. Call once poll() says
         WaitingForInput; raises LocalProtocolError otherwise or if pages are outside the region."""
         self.manager._local(self.room, PagesAllocated(tuple(pages), aux_slot))
-
-    def poll(self) -> int:
-        return self.manager.poll(self.room)
-
-    def abort(self, reason: str = "aborted by engine") -> None:
-        self.manager.abort(self.room, reason)
-
-    def clear(self) -> None:
-        self.manager.clear(self.room)
-
-    def failure_exception(self) -> KVTransferError:
-        return self.manager.failure_exception(self.room)
 
 
 class DecodeManager(Manager):

@@ -99,6 +99,30 @@ def coalesce(src_pages: Iterable[int], dst_pages: Iterable[int], page_bytes: int
     return segs
 
 
+class RoomHandle:
+    """One room on one rank, as the engine sees it; KVSender and KVReceiver add their verbs."""
+
+    __slots__ = ("manager", "room")
+
+    def __init__(self, manager: Manager, room: int) -> None:
+        self.manager = manager
+        self.room = room
+
+    def poll(self) -> int:
+        """KVPoll code (Failed=0 … Success=4); fires due timers first."""
+        return self.manager.poll(self.room)
+
+    def abort(self, reason: str = "aborted by engine") -> None:
+        self.manager.abort(self.room, reason)
+
+    def clear(self) -> None:
+        """Forget the concluded room on this rank. Before Success/Failed, abort() first."""
+        self.manager.clear(self.room)
+
+    def failure_exception(self) -> KVTransferError:
+        return self.manager.failure_exception(self.room)
+
+
 class Manager:
     side: str
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from kvfsm.protocol import KVTransferError, LocalProtocolError, PostAuxWrite, PostWrite, Protocol
+from kvfsm.protocol import LocalProtocolError, PostAuxWrite, PostWrite, Protocol
 from kvfsm.protocol.events import (
     AUX_WRITE,
     AbortReceived,
@@ -18,36 +18,21 @@ from kvfsm.protocol.events import (
 )
 from kvfsm.protocol.rooms import PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, Message, Register, RegisterAck, RoomFailed, RoomPages
-from kvfsm.runtime.manager import Manager, RoomRuntime, coalesce, log
+from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, coalesce, log
 from kvfsm.transport.base import Inbound
 
 
-class KVSender:
+class KVSender(RoomHandle):
     """One room on one prefill rank, as the engine sees it (SGLang's KVSender)."""
 
-    __slots__ = ("manager", "room")
-
-    def __init__(self, manager: PrefillManager, room: int) -> None:
-        self.manager = manager
-        self.room = room
+    __slots__ = ()
+    manager: PrefillManager
 
     def send(self, pages: list[int] | tuple[int, ...], is_last: bool = False, aux_slot: int | None = None) -> None:
         """Hand over the next chunk: local page indices; the last chunk carries the aux slot.
         Chunks ready before decode announced its pages are held (scenario 2). Raises
         LocalProtocolError on misuse (a chunk after the last, pages outside the KV region)."""
         self.manager._local(self.room, ChunkReady(tuple(pages), is_last, aux_slot))
-
-    def poll(self) -> int:
-        return self.manager.poll(self.room)
-
-    def abort(self, reason: str = "aborted by engine") -> None:
-        self.manager.abort(self.room, reason)
-
-    def clear(self) -> None:
-        self.manager.clear(self.room)
-
-    def failure_exception(self) -> KVTransferError:
-        return self.manager.failure_exception(self.room)
 
 
 class PrefillManager(Manager):
