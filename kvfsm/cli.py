@@ -1,4 +1,4 @@
-"""The ``kvfsm`` command: ``kvfsm demo`` (the main job on loopback) and ``kvfsm docs``."""
+"""The ``kvfsm`` command: ``demo`` (the main job on loopback), ``check`` (model checker), ``docs``."""
 
 from __future__ import annotations
 
@@ -14,11 +14,18 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_arguments(
         sub.add_parser("demo", help="move N rooms of KV over the loopback transport and verify every byte")
     )
+    from kvfsm.check import cli as check_cli
+
+    check_cli.add_arguments(
+        sub.add_parser("check", help="model-check the protocol: every interleaving, faults, invariants")
+    )
     docs = sub.add_parser("docs", help="regenerate docs/ from spec/ (--check: fail if stale)")
     docs.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.main(args)
+    if args.command == "check":
+        return check_cli.main(args)
     if args.command == "docs":
         from kvfsm import docsgen
 

@@ -85,6 +85,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     rcfg = RuntimeConfig(
         workers=cfg.workers,
         timeouts={
+            "fence": 8 * cfg.transfer_timeout,
             "transfer": cfg.transfer_timeout,
             "hold": 2 * cfg.transfer_timeout,
             "bootstrap": 4 * cfg.transfer_timeout,
@@ -192,6 +193,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 polls = [s.poll() for s in senders] + [rc.poll() for rc in recv]
                 if not all(code in (KVPoll.Success, KVPoll.Failed) for code in polls):
                     continue
+                if any(rc.pages_fenced() for rc in recv) or any(s.pages_in_use() for s in senders):
+                    continue  # a write may still land in (or read) these pages: keep them
                 done.append(rid)
                 dec = [rc.poll() for rc in recv]
                 if all(c == KVPoll.Success for c in dec):

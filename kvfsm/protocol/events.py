@@ -132,6 +132,13 @@ class PeerLost:
     cause: ClassVar[Cause] = "remote"
 
 
+@dataclass(frozen=True, slots=True)
+class WritesDrained:
+    prefill_rank: int
+    trigger: ClassVar[str] = "writes_drained"
+    cause: ClassVar[Cause] = "remote"
+
+
 Event = (
     ChunkReady
     | PagesAllocated
@@ -147,6 +154,7 @@ Event = (
     | AbortReceived
     | FailureReceived
     | PeerLost
+    | WritesDrained
 )
 
 EVENT_CLASSES: dict[str, type] = {
@@ -166,6 +174,7 @@ EVENT_CLASSES: dict[str, type] = {
         AbortReceived,
         FailureReceived,
         PeerLost,
+        WritesDrained,
     )
 }
 

@@ -25,7 +25,7 @@ from kvfsm.protocol.actions import (
 )
 from kvfsm.protocol.events import AUX_WRITE, ChunkReady
 from kvfsm.protocol.rooms import Announcement, DecodeRoom, PrefillRoom
-from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, RoomFailed, RoomPages
+from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, Drained, RoomFailed, RoomPages
 
 
 @dataclass(slots=True)
@@ -187,6 +187,19 @@ def chunk_is_last(room: PrefillRoom, ev: ChunkReady) -> bool:
 
 
 @guard
+def writes_outstanding(room: PrefillRoom, ev: Any) -> bool:
+    """A posted write has not completed yet: it may still read the source pages."""
+    return bool(room.inflight)
+
+
+EXPLAIN["writes_outstanding"] = lambda room, ev: (
+    f"{len(room.inflight)} posted writes still read the source pages; clear() after they complete"
+    if room.inflight
+    else ""
+)
+
+
+@guard
 def write_pending(room: PrefillRoom, ev: Any) -> bool:
     return (ev.dest_rank, ev.chunk_id) in room.inflight
 
@@ -262,7 +275,25 @@ def tell_decode(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
 
 @action("tell_announcer")
 def tell_announcer(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    """Tell a decode rank that announced after the failure. Its pages may be released at once
+    unless a write to it is still outstanding (a duplicated room_pages of a known dest: then
+    tell_drained confirms when the last completion arrives)."""
     ctx.out.append(SendMessage(ev.dest_rank, _prefill_notice(room, arg, room.failure or arg)))
+    if not any(dest == ev.dest_rank for dest, _ in room.inflight):
+        ctx.out.append(SendMessage(ev.dest_rank, Drained(room.room, room.rank)))
+
+
+@action("tell_drained")
+def tell_drained(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    """Once no posted write is outstanding, tell every decode rank it may release its pages. A
+    rejected announcer (never recorded, never written to) is told at once."""
+    if ev is not None and ev.trigger == "pages_announced" and ev.dest_rank not in room.dests:
+        ctx.out.append(SendMessage(ev.dest_rank, Drained(room.room, room.rank)))
+    elif ev is not None and ev.trigger == "abort_received" and ev.side == "decode" and ev.rank not in room.dests:
+        ctx.out.append(SendMessage(ev.rank, Drained(room.room, room.rank)))  # never recorded, never written
+    if not room.inflight:
+        for dest in sorted(room.dests):
+            ctx.out.append(SendMessage(dest, Drained(room.room, room.rank)))
 
 
 def _prefill_notice(room: PrefillRoom, kind: str, reason: str) -> AbortNotice | RoomFailed:
@@ -373,6 +404,33 @@ def notice_from_source(room: DecodeRoom, ev: Any) -> bool:
     return rank in room.sources
 
 
+def _notice_rank(ev: Any) -> int:
+    if ev.trigger == "peer_lost":
+        return int(ev.peer_rank)
+    if ev.trigger in ("failure_received", "writes_drained"):
+        return int(ev.prefill_rank)
+    return int(ev.rank)
+
+
+@guard
+def writers_remain(room: DecodeRoom, ev: Any) -> bool:
+    """Some source may still write into our pages (a source that died cannot)."""
+    lost = _notice_rank(ev) if ev.trigger == "peer_lost" else None
+    return any(s != lost for s in room.sources)
+
+
+@guard
+def drain_pending(room: DecodeRoom, ev: Any) -> bool:
+    """The confirming (or dead) source is one the fence still waits for."""
+    return _notice_rank(ev) in room.undrained
+
+
+@guard
+def drain_completes(room: DecodeRoom, ev: Any) -> bool:
+    """It is the last source the fence waits for."""
+    return room.undrained == {_notice_rank(ev)}
+
+
 @guard
 def aux_repeat(room: DecodeRoom, ev: Any) -> bool:
     return ev.src in room.aux_done
@@ -404,6 +462,18 @@ def record_chunk(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
 @action("record_aux")
 def record_aux(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
     room.aux_done.add(ev.src)
+
+
+@action("fence")
+def fence(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    """Keep the pages until every source that may still write confirms (a dead one cannot write)."""
+    lost = _notice_rank(ev) if ev is not None and ev.trigger == "peer_lost" else None
+    room.undrained = {s for s in room.sources if s != lost}
+
+
+@action("record_drained")
+def record_drained(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
+    room.undrained.discard(_notice_rank(ev))
 
 
 @action("tell_prefill")

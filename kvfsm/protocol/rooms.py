@@ -57,6 +57,7 @@ class DecodeRoom:
     received: dict[int, dict[int, tuple[int, int, bool]]] = field(default_factory=dict)
     last_count: dict[int, int] = field(default_factory=dict)  # src -> number of chunks
     aux_done: set[int] = field(default_factory=set)
+    undrained: set[int] = field(default_factory=set)  # Fenced: sources that may still be writing
     last_row: str = ""
 
 

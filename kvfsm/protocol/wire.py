@@ -70,6 +70,13 @@ class RoomFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class Drained:
+    room: int
+    prefill_rank: int
+    TYPE: ClassVar[str] = "drained"
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkWritten:
     room: int
     src: int
@@ -87,10 +94,11 @@ class AuxWritten:
     TYPE: ClassVar[str] = "aux_written"
 
 
-Message = Register | RegisterAck | RoomPages | AbortNotice | RoomFailed | ChunkWritten | AuxWritten
+Message = Register | RegisterAck | RoomPages | AbortNotice | RoomFailed | Drained | ChunkWritten | AuxWritten
 
 MESSAGE_CLASSES: dict[str, type[Any]] = {
-    cls.TYPE: cls for cls in (Register, RegisterAck, RoomPages, AbortNotice, RoomFailed, ChunkWritten, AuxWritten)
+    cls.TYPE: cls
+    for cls in (Register, RegisterAck, RoomPages, AbortNotice, RoomFailed, Drained, ChunkWritten, AuxWritten)
 }
 
 

@@ -14,9 +14,19 @@ from kvfsm.protocol.events import (
     PagesAllocated,
     PeerLost,
     PeersReady,
+    WritesDrained,
 )
 from kvfsm.protocol.rooms import DecodeRoom
-from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, Message, Register, RegisterAck, RoomFailed
+from kvfsm.protocol.wire import (
+    AbortNotice,
+    AuxWritten,
+    ChunkWritten,
+    Drained,
+    Message,
+    Register,
+    RegisterAck,
+    RoomFailed,
+)
 from kvfsm.runtime.manager import Manager, RoomHandle, log
 
 
@@ -25,6 +35,11 @@ class KVReceiver(RoomHandle):
 
     __slots__ = ()
     manager: DecodeManager
+
+    def pages_fenced(self) -> bool:
+        """The room failed but a source may still write into its pages: keep them; clear() is
+        refused until every source confirmed its writes drained, died, or the fence timer expired."""
+        return self.manager.state(self.room) == "Fenced"
 
     def init(self, pages: list[int] | tuple[int, ...], aux_slot: int) -> None:
         """Announce the allocated pages and aux slot to every source. Call once poll() says
@@ -126,6 +141,9 @@ class DecodeManager(Manager):
         elif isinstance(msg, RoomFailed) and msg.prefill_rank == rank:
             if self._room_for_message(msg.room, msg.TYPE) is not None:
                 self._dispatch(msg.room, FailureReceived(msg.prefill_rank, msg.reason))
+        elif isinstance(msg, Drained) and msg.prefill_rank == rank:
+            if self._room_for_message(msg.room, msg.TYPE) is not None:
+                self._dispatch(msg.room, WritesDrained(msg.prefill_rank))
         else:
             self._count_drop("unexpected_message", f"{msg.TYPE} from {peer}")
 

@@ -8,6 +8,7 @@ from typing import Any
 from kvfsm.protocol import LocalProtocolError, PostAuxWrite, PostWrite, Protocol
 from kvfsm.protocol.events import (
     AUX_WRITE,
+    Abort,
     AbortReceived,
     ChunkReady,
     Event,
@@ -17,7 +18,7 @@ from kvfsm.protocol.events import (
     WriteFailed,
 )
 from kvfsm.protocol.rooms import PrefillRoom
-from kvfsm.protocol.wire import AbortNotice, Message, Register, RegisterAck, RoomFailed, RoomPages
+from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, coalesce, log
 from kvfsm.transport.base import Inbound
 
@@ -27,6 +28,12 @@ class KVSender(RoomHandle):
 
     __slots__ = ()
     manager: PrefillManager
+
+    def pages_in_use(self) -> bool:
+        """Posted writes still read this room's source pages: keep them; clear() is refused."""
+        with self.manager._lock:
+            rt = self.manager._rooms.get(self.room)
+            return bool(rt is not None and rt.room.inflight)
 
     def send(self, pages: list[int] | tuple[int, ...], is_last: bool = False, aux_slot: int | None = None) -> None:
         """Hand over the next chunk: local page indices; the last chunk carries the aux slot.
@@ -50,7 +57,14 @@ class PrefillManager(Manager):
     def create_sender(self, room: int) -> KVSender:
         """Create room ``room`` on this rank. Messages that arrived for it earlier are applied now."""
         with self._lock:
+            tomb = self._tombstones.get(room)
+            expired = tomb is not None and tomb[0] == "Expired"
+            if expired:
+                del self._tombstones[room]
             self._new_room(room, PrefillRoom(room, self.rank, self.kv_pages, self.aux_slots))
+            if expired:
+                # decode's announcement expired here and decode was told: the room cannot run
+                self._dispatch(room, Abort(self._failures.pop(room, "announcement expired")))
             for _peer, event in self._early.pop(room, ()):
                 self._dispatch(room, event)
         return KVSender(self, room)
@@ -124,10 +138,11 @@ class PrefillManager(Manager):
         tomb = self._tombstones.get(rid)
         if tomb is not None:
             self._count_drop("late_for_cleared_room", f"{msg.TYPE} for cleared room {rid}")
-            if tomb[0] == "Failed" and isinstance(msg, RoomPages):
+            if tomb[0] in ("Failed", "Expired") and isinstance(msg, RoomPages):
                 # The decode still holds pages for a room that failed here: tell it now.
                 reason = self._failures.get(rid) or "room failed on prefill"
                 self._send(msg.decode_rank, RoomFailed(rid, self.rank, reason))
+                self._send(msg.decode_rank, Drained(rid, self.rank))  # it was never written to
             return
         if len(self._early) >= self.config.max_early_rooms and rid not in self._early:
             self._count_drop("early_overflow", f"{msg.TYPE} for not-yet-created room {rid}")
@@ -144,10 +159,16 @@ class PrefillManager(Manager):
             if events is None:
                 continue
             self._count_drop("early_expired", f"room {rid} was never created on this rank")
+            # Remember it: decode was told the room failed and released its pages, so neither a
+            # late duplicate room_pages nor the engine's late create_sender may start writes.
+            reason = f"prefill rank {self.rank} never created room {rid} within {self.config.early_ttl_s}s"
+            self._tombstones[rid] = ("Expired", now + self.config.tombstone_ttl_s)
+            self._tomb_order.append((now + self.config.tombstone_ttl_s, rid))
+            self._failures[rid] = reason
             for _peer, event in events:
                 if isinstance(event, PagesAnnounced):
-                    reason = f"prefill rank {self.rank} never created room {rid} within {self.config.early_ttl_s}s"
                     self._send(event.dest_rank, RoomFailed(rid, self.rank, reason))
+                    self._send(event.dest_rank, Drained(rid, self.rank))
 
     def _on_completion(self, item: Inbound) -> None:
         tag = item.tag

@@ -54,8 +54,9 @@ from kvfsm.protocol.events import (
     TimerFired,
     WriteCompleted,
     WriteFailed,
+    WritesDrained,
 )
-from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, Codec, RoomFailed, RoomPages
+from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, Codec, Drained, RoomFailed, RoomPages
 
 SPEC = load_spec()
 PROTOCOL = Protocol(SPEC)
@@ -74,6 +75,14 @@ DECODE_AUX = 2
 TIMER_OF_TRIGGER = {t.trigger: t.name for m in SPEC.machines.values() for t in m.timers.values()}
 CAUSE = {e.key: e.cause for e in SPEC.events.values() if e.key != "timeout"} | dict.fromkeys(TIMER_OF_TRIGGER, "local")
 ALL_TRIGGERS = tuple(sorted(CAUSE))
+FAILED = SPEC.kvpoll["Failed"]  # KVPoll code of Failed and of Fenced (failed, pages still fenced)
+ANNOUNCED = ("WaitingForInput.Announced", "Transferring")  # decode states whose pages a source may write
+
+
+def kvpoll_of(kind: str, state: str) -> int | None:
+    """The KVPoll code ``state`` projects to (None for Cleared), read from spec/."""
+    name = machine_spec(kind).states[state].kvpoll
+    return None if name is None else SPEC.kvpoll[name]
 
 
 def machine_spec(kind: str) -> Any:
@@ -221,7 +230,15 @@ def check_step(
     if old in ("Failed", "Success"):
         assert new in (old, "Cleared"), f"{event} moved a {old} room to {new}"
         assert new == old or event.trigger == "clear"
-    if new == "Failed":
+    # KVPoll Failed is sticky too: Fenced (failed, pages still reserved) only ever moves on to Failed,
+    # and clear is refused there (the pages may still be written).
+    if kvpoll_of(kind, old) == FAILED:
+        assert kvpoll_of(kind, new) == FAILED or (old, new, event.trigger) == ("Failed", "Cleared", "clear"), (
+            f"{event} moved a failed {old} room to {new}"
+        )
+    if old == "Fenced":
+        assert new in ("Fenced", "Failed"), f"{event} moved a Fenced room to {new}"
+    if kvpoll_of(kind, new) == FAILED:
         assert room.failure, "a failed room must carry a reason"
 
     # Timer bookkeeping: the actions replayed on the armed set give the room's armed set.
@@ -239,6 +256,9 @@ def check_step(
 
     if kind == "prefill":
         check_writes(room, actions)
+        check_prefill_tells(before, room, event, actions)
+    else:
+        check_fence(machine, before, room, event, actions, now)
 
 
 def check_timers_armed(machine: RoomMachine, room: Any) -> None:
@@ -271,6 +291,102 @@ def check_writes(room: PrefillRoom, actions: list[Action]) -> None:
             assert 0 <= a.src_slot < room.aux_slots
             assert (a.notification.room, a.notification.src) == (room.room, room.rank)
             assert (a.dest_rank, AUX_WRITE) in room.inflight
+
+
+def _notified(actions: list[Action]) -> list[int]:
+    """Ranks that got an abort or room_failed notice in ``actions``, in order."""
+    return [r for r, _ in messages(actions, AbortNotice) + messages(actions, RoomFailed)]
+
+
+def check_prefill_tells(before: dict[str, Any], room: PrefillRoom, event: Event, actions: list[Action]) -> None:
+    """What a prefill room tells decode ranks about a failure and about its writes.
+
+    * A room entering Failed tells every decode rank that announced, and one whose room_pages it
+      rejects without recording (P2, on_remote_error): that rank holds pages for the room too.
+    * ``drained`` goes from a concluded room only: from Failed, or from Success when it answers a
+      decode rank's abort or loss (P21, a retransmission of a drained that may have been lost).
+    * It never goes to a decode rank a write of this room may still land in, only to a decode rank
+      that announced (recorded, or announcing in this very step), at most once per rank and step,
+      and after the reason when both go in one step.
+    * It goes to every recorded decode rank the moment nothing is in flight any more (entering
+      Failed, the last pending write concluding, or answering an abort or loss in P21), and at once
+      to an announcer that was never recorded: nothing was ever written to it.
+    """
+    old, new = before["state"], room.state
+    announcer = event.dest_rank if isinstance(event, PagesAnnounced) else None
+    unrecorded = announcer is not None and new == "Failed" and announcer not in room.dests
+    told = set(room.dests) | ({announcer} if unrecorded else set())
+    if new == "Failed" and old != "Failed":
+        assert set(_notified(actions)) >= told, "a failure must be told to every decode rank holding pages"
+
+    sent = messages(actions, Drained)
+    drained = [d for d, _ in sent]
+    assert all(msg == Drained(room.room, room.rank) for _, msg in sent), sent
+    if sent:
+        assert new in ("Failed", "Success"), f"drained sent by a room in {new}"
+        if new == "Success":
+            assert old == "Success" and event.trigger in ("abort_received", "peer_lost"), (
+                f"drained from Success for {event.trigger} (row {room.last_row})"
+            )
+        assert len(set(drained)) == len(drained), f"drained twice in one step: {drained}"
+        # an aborting decode rank that was never recorded is answered too: nothing was written to it
+        aborter = event.rank if isinstance(event, AbortReceived) and event.side == "decode" else None
+        allowed = set(room.dests) | {announcer, aborter}
+        assert set(drained) <= allowed, f"drained to a rank that neither announced nor aborted: {drained}"
+        busy = {d for d, _ in room.inflight}
+        assert not set(drained) & busy, f"drained to {sorted(set(drained) & busy)} while a write to it is in flight"
+        sends = [a for a in actions if isinstance(a, SendMessage)]
+        for dest in drained:
+            notices = [
+                i
+                for i, a in enumerate(sends)
+                if a.peer_rank == dest and isinstance(a.message, AbortNotice | RoomFailed)
+            ]
+            first_drained = next(
+                i for i, a in enumerate(sends) if a.peer_rank == dest and isinstance(a.message, Drained)
+            )
+            assert all(i < first_drained for i in notices), "a decode rank hears why the room failed before drained"
+
+    if unrecorded:
+        assert announcer in drained, f"rejected announcer {announcer} must be told drained at once ({room.last_row})"
+    # a decode rank that aborts without being recorded is answered at once: nothing was written to it
+    aborter = event.rank if isinstance(event, AbortReceived) and event.side == "decode" else None
+    answered = {aborter} if aborter is not None and aborter not in room.dests and new in ("Failed", "Success") else set()
+    if new == "Failed" and not room.inflight and (old != "Failed" or before["inflight"]):
+        # entered Failed with nothing in flight, or the last write in flight just concluded
+        assert sorted(drained) == sorted(told | answered), (room.last_row, drained, told)
+    if old == new and new in ("Failed", "Success") and event.trigger in ("abort_received", "peer_lost"):
+        # P21: a decode rank that aborts is fenced; answer again once nothing is in flight
+        assert room.last_row == "P21"
+        want = sorted(answered | (set() if room.inflight else set(room.dests)))
+        assert sorted(drained) == want, f"P21 answers drained to {want} (in flight: {room.inflight}), sent {drained}"
+
+
+def check_fence(
+    machine: RoomMachine, before: dict[str, Any], room: DecodeRoom, event: Event, actions: list[Action], now: float
+) -> None:
+    """Decode pages a source may write into are fenced until every such source drained or died,
+    or the fence timer fired; a failure is told to every source."""
+    old, new = before["state"], room.state
+    if new == "Fenced":
+        assert room.timers == {"fence"}, room.timers
+        assert room.undrained <= set(room.sources)
+        assert room.undrained or not room.sources, "a fence nobody can release early"
+        if old != "Fenced" or room.last_row == "on_remote_error":  # (re)entered: fence every writer
+            lost = event.peer_rank if isinstance(event, PeerLost) else None
+            assert room.undrained == set(room.sources) - {lost}
+            assert SetTimer("fence", now + machine.timeouts["fence"]) in actions
+        else:  # the fence only shrinks, one source at a time
+            assert room.undrained <= before["undrained"] and len(before["undrained"] - room.undrained) <= 1
+    if old == "Fenced" and new == "Failed":
+        assert event.trigger == "fence_timeout" or not room.undrained, "pages released while a source may write"
+        assert not room.timers
+    if old in ANNOUNCED and new == "Failed":  # pages announced: released at once only if no source can write
+        assert isinstance(event, PeerLost) and set(room.sources) <= {event.peer_rank}, room.last_row
+    if kvpoll_of("decode", new) == FAILED and kvpoll_of("decode", old) != FAILED:
+        sent = messages(actions, AbortNotice)
+        assert [r for r, _ in sent] == list(room.sources), "a decode failure must be told to every source"
+        assert all(m.side == "decode" and m.reason == room.failure for _, m in sent)
 
 
 # ====================================================================== reachable rooms
@@ -307,6 +423,12 @@ class _Driver:
     def path(self, want: str) -> Path:
         assert self.room.state == want, f"path built {self.room.state}, wanted {want}"
         return Path(self.kind, self.kwargs, tuple(self.events))
+
+    @classmethod
+    def replay(cls, path: Path) -> _Driver:
+        d = cls(path.kind, **dict(path.kwargs))
+        d.push(*path.events)
+        return d
 
 
 def _segments(draw: Any, pages: Sequence[int], min_chunks: int = 1) -> list[tuple[int, ...]]:
@@ -376,6 +498,8 @@ def _prefill(draw: Any, want: str) -> Path:
 def _decode(draw: Any, want: str) -> Path:
     if want in ("Failed", "Cleared"):
         return draw(_concluded("decode", want))
+    if want == "Fenced":
+        return draw(_fenced()).path(want)
     sources = tuple(draw(st.lists(st.integers(0, 3), unique=True, min_size=1, max_size=2)))
     required = draw(st.integers(1, 2))
     n_pages = draw(st.integers(0, 6))
@@ -409,30 +533,99 @@ def _decode(draw: Any, want: str) -> Path:
 
 @st.composite
 def _concluded(draw: Any, kind: str, want: str) -> Path:
-    """Failed: a live room plus an event that fails it; Cleared: a concluded room plus clear."""
+    """Failed: a live room plus an event that fails it (decode: failed before it announced, every
+    source lost, or a fence released), then late news; Cleared: a concluded room plus clear."""
     if want == "Cleared":
         base = draw(reachable(kind, draw(st.sampled_from(["Failed", "Success"]))))
+        if kind == "prefill":  # clear waits until no posted write still reads the source pages (P27)
+            inflight = sorted(base.build().inflight)
+            base = Path(kind, base.kwargs, (*base.events, *(WriteCompleted(*w) for w in inflight)))
         return Path(kind, base.kwargs, (*base.events, Clear()))
-    base = draw(reachable(kind, draw(st.sampled_from(_LIVE[kind]))))
-    room = base.build()
-    timers = sorted(room.timers)
-    foreign = WriteCompleted(0, 0) if kind == "decode" else AuxArrived(0)  # no row: on_remote_error
-    other = "prefill" if kind == "decode" else "decode"
-    peer = room.sources[0] if kind == "decode" else 0  # decode only fails on notices from its own sources
+    d = draw(_prefill_failed() if kind == "prefill" else _decode_failed())
+    assert d.room.state == "Failed", d.room.state
+    # late news for a failed room: ignored, whatever it is
+    late: list[Event] = [Abort(), PeerLost(1, "late")]
+    if kind == "prefill":
+        late += [AbortReceived(0, "decode", "late")]
+        late += [WriteCompleted(*w) for w in sorted(d.room.inflight)]  # writes still draining (P28b)
+    else:
+        late += [AbortReceived(0, "prefill", "late"), WritesDrained(0), arrived(0, 0, 1)]
+    d.push(*draw(st.lists(st.sampled_from(late), max_size=2)))
+    return d.path(want)
+
+
+@st.composite
+def _prefill_failed(draw: Any) -> _Driver:
+    d = _Driver.replay(draw(reachable("prefill", draw(st.sampled_from(_LIVE["prefill"])))))
+    room = d.room
     failing = [
         Abort("engine gave up"),
-        PeerLost(peer, "link down"),
-        AbortReceived(peer, other, "peer aborted"),
-        foreign,
+        PeerLost(0, "link down"),
+        AbortReceived(0, "decode", "peer aborted"),
+        AuxArrived(0),  # no prefill row: on_remote_error
+        *(fired(t) for t in sorted(room.timers)),
     ]
-    failing += [fired(t) for t in timers]
-    if kind == "decode":
-        failing.append(FailureReceived(peer, "prefill failed"))
-    elif room.state.startswith("Transferring") and room.inflight:  # a failure of an unknown write is ignored
+    if room.state.startswith("Transferring") and room.inflight:  # a failure of an unknown write is ignored
         failing.append(WriteFailed(*sorted(room.inflight)[0], "nic error"))
-    ev = draw(st.sampled_from(failing))
-    after = draw(st.lists(st.sampled_from([Abort(), PeerLost(1, "late"), AbortReceived(0, other, "late")]), max_size=2))
-    return Path(kind, base.kwargs, (*base.events, ev, *after))
+    d.push(draw(st.sampled_from(failing)))
+    return d
+
+
+@st.composite
+def _decode_failed(draw: Any) -> _Driver:
+    route = draw(st.sampled_from(["fence released", "before announcing", "every source lost"]))
+    if route == "fence released":
+        d = draw(_fenced())
+        if draw(st.booleans()):
+            d.push(fired("fence"))  # no confirmation came (D27)
+        else:  # every source the fence waits for confirms or dies, in any order (D26 ... D25)
+            for src in draw(st.permutations(sorted(d.room.undrained))):
+                d.push(draw(st.sampled_from([WritesDrained(src), PeerLost(src, "crash")])))
+        return d
+    if route == "before announcing":  # nothing announced, nothing can be written (D14, D16, D18)
+        d = _Driver.replay(draw(reachable("decode", draw(st.sampled_from(_LIVE["decode"][:2])))))
+        src = draw(st.sampled_from(d.room.sources))
+        failing = [Abort("engine gave up"), fired("bootstrap"), PeerLost(src, "link down"),
+                   AbortReceived(src, "prefill", "peer aborted"), FailureReceived(src, "prefill failed")]  # fmt: skip
+        d.push(draw(st.sampled_from(failing)))
+        return d
+    # pages announced, and every source dies: the last loss releases them (D23, or D24 then D25)
+    d = _Driver.replay(draw(reachable("decode", draw(st.sampled_from(ANNOUNCED)))))
+    for src in draw(st.permutations(d.room.sources)):
+        d.push(PeerLost(src, "crash"))
+    return d
+
+
+@st.composite
+def _fenced(draw: Any) -> _Driver:
+    """A decode room whose pages are fenced: a live room, an event that fails it while a source may
+    still write, then events that keep it fenced (late news, some sources confirming)."""
+    live = draw(st.sampled_from([*ANNOUNCED, *ANNOUNCED, *_LIVE["decode"][:2]]))  # mostly announced
+    d = _Driver.replay(draw(reachable("decode", live)))
+    room = d.room
+    src = draw(st.sampled_from(room.sources))
+    foreign = [WriteCompleted(0, 0)]  # no row in a live state: on_remote_error
+    if live in ANNOUNCED:
+        failing = [Abort("engine gave up"), fired("transfer"), AbortReceived(src, "prefill", "aborted"),
+                   FailureReceived(src, "prefill failed"), arrived(0, 0, 1, src=9), AuxArrived(9), *foreign]  # fmt: skip
+        if len(room.sources) > 1:
+            failing.append(PeerLost(src, "crash"))  # another source may still write
+    else:
+        # a foreign event before we announced fences too (on_remote_error is the same in every
+        # state); a premature notification fails without a fence (D29)
+        failing = [*foreign]
+    d.push(draw(st.sampled_from(failing)))
+    assert room.state == "Fenced", (room.state, room.last_row)
+    for _ in range(draw(st.integers(0, 3))):
+        keep = [Abort(), PeersReady(), allocated(), PeerLost(9, "other link"), WritesDrained(9),
+                AbortReceived(src, "prefill", "late"), FailureReceived(src, "late"), AuxArrived(src),
+                arrived(0, 0, 1, src=src)]  # fmt: skip
+        if len(room.undrained) > 1:
+            s = draw(st.sampled_from(sorted(room.undrained)))
+            keep += [WritesDrained(s), PeerLost(s, "crash")]  # one of several confirms (D26)
+        d.push(draw(st.sampled_from(keep)))
+        assert room.state == "Fenced", (room.state, room.last_row)
+    return d
 
 
 def reachable(kind: str, state: str) -> st.SearchStrategy[Path]:
@@ -502,6 +695,13 @@ def event_for(trigger: str, room: Any) -> st.SearchStrategy[Event]:
         options.append(st.builds(FailureReceived, _rank, _text))
     elif trigger == "peer_lost":
         options.append(st.builds(PeerLost, _rank, _text))
+        if getattr(room, "undrained", None):
+            options.append(st.builds(PeerLost, st.sampled_from(sorted(room.undrained)), _text))
+    elif trigger == "writes_drained":
+        options.append(st.builds(WritesDrained, _rank))
+        known = sorted({*getattr(room, "undrained", ()), *getattr(room, "sources", ())})
+        if known:
+            options.append(st.builds(WritesDrained, st.sampled_from(known)))  # a source the fence may wait for
     else:
         raise AssertionError(f"no strategy for trigger {trigger!r}")
     return st.one_of(options)
@@ -668,4 +868,6 @@ class Wire:
             return AbortReceived(msg.rank, msg.side, msg.reason)
         if isinstance(msg, RoomFailed):
             return FailureReceived(msg.prefill_rank, msg.reason)
+        if isinstance(msg, Drained):
+            return WritesDrained(msg.prefill_rank)
         raise AssertionError(f"no room event for {msg}")

@@ -13,6 +13,7 @@ from protocol_kit import (
     CODEC,
     DECODE_AUX,
     DECODE_PAGES,
+    ROOM_ID,
     Wire,
     arrived,
     completion_id,
@@ -25,14 +26,17 @@ from protocol_kit import (
 
 from kvfsm.protocol import (
     AUX_WRITE,
+    CancelTimer,
     KVPoll,
+    LocalProtocolError,
     PostAuxWrite,
     PostWrite,
     RecordIgnored,
     RecordProtocolError,
+    SendMessage,
 )
-from kvfsm.protocol.events import Abort, AuxArrived, Clear, PeerLost, WriteCompleted
-from kvfsm.protocol.wire import AbortNotice, RoomFailed
+from kvfsm.protocol.events import Abort, AuxArrived, Clear, PeerLost, WriteCompleted, WriteFailed
+from kvfsm.protocol.wire import AbortNotice, Drained, RoomFailed
 
 LOCAL = [40, 41, 42, 43]  # the prefill rank's KV pages of the request, in order
 
@@ -169,10 +173,11 @@ def test_prefill_rank_with_two_decode_ranks_writes_to_both():
 
 
 def _failed_by_timeout(w: Wire, side: str, rank: int = 0) -> None:
+    """Failed by a timer; a decode room whose pages may still be written keeps only its fence timer."""
     room = w.rooms[side, rank]
     assert w.kvpoll(side, rank) == KVPoll.Failed
     assert room.failure.startswith("timeout"), room.failure
-    assert not w.deadlines[side, rank]
+    assert set(w.deadlines[side, rank]) == ({"fence"} if room.state == "Fenced" else set())
 
 
 def test_prefill_times_out_when_decode_never_announces():  # bootstrap
@@ -216,8 +221,11 @@ def test_prefill_times_out_when_a_write_never_completes_and_tells_decode():  # t
     w.advance(1.0)
     _failed_by_timeout(w, "prefill")
     assert messages(w.actions("prefill"), RoomFailed)
+    assert not messages(w.actions("prefill"), Drained), "the write never completed: it may still land"
     w.deliver()
-    assert w.d().state == "Failed"
+    assert w.d().state == "Fenced" and w.kvpoll("decode") == KVPoll.Failed
+    w.advance(900.0)  # nothing confirms the drain: decode's fence timer releases the pages
+    assert w.d().state == "Failed" and w.d().last_row == "D27" and _no_timers(w)
 
 
 def test_decode_times_out_when_the_handshake_never_finishes():  # bootstrap
@@ -236,8 +244,10 @@ def test_decode_times_out_when_prefill_never_writes():  # transfer
     w.advance(300.0)
     _failed_by_timeout(w, "decode")
     assert "transfer timer expired" in w.d().failure
-    w.deliver()
+    assert w.d().state == "Fenced", "prefill may have posted writes decode has not heard of"
+    w.deliver()  # the abort; prefill never wrote, so it answers drained at once
     assert w.p().state == "Failed" and not w.deadlines["prefill", 0]
+    assert w.d().state == "Failed" and _no_timers(w)
 
 
 def test_decode_transfer_timeout_is_re_armed_by_every_arrival():
@@ -266,12 +276,15 @@ def test_prefill_abort_fails_the_decode_room():
     assert w.p().state == "Failed" and _writes(w)
     (notice,) = [m for _, m in messages(w.actions("prefill"), AbortNotice)]
     assert notice.side == "prefill" and "engine dropped the request" in notice.reason
+    assert not messages(w.actions("prefill"), Drained), "its write is still in flight"
     w.deliver()
-    assert w.d().state == "Failed" and "engine dropped the request" in w.d().failure
+    assert w.d().state == "Fenced" and "engine dropped the request" in w.d().failure
 
-    w.land_all()  # the write posted before the abort lands late: both sides ignore it
+    w.land_all()  # the write posted before the abort lands late, into pages still fenced for this room
+    assert of_type(w.log[-2][3], RecordIgnored), "decode ignores the notification"
+    assert w.p().last_row == "P28b" and messages(w.log[-1][3], Drained) == [(0, Drained(ROOM_ID, 0))]
+    w.deliver()
     assert (w.p().state, w.d().state) == ("Failed", "Failed")
-    assert of_type(w.log[-1][3], RecordIgnored) and of_type(w.log[-2][3], RecordIgnored)
     assert _no_timers(w)
 
 
@@ -307,6 +320,184 @@ def test_clear_after_success_forgets_both_rooms():
     assert (w.p().state, w.d().state) == ("Cleared", "Cleared") and _no_timers(w)
     with pytest.raises(Exception, match="cleared"):
         w.kvpoll("decode")
+
+
+# ---------------------------------------------------------------- the fence: no write lands in released pages
+
+
+def _fenced(w: Wire, rank: int = 0) -> None:
+    """Failed to the engine, but the pages stay reserved: clear() is refused and changes nothing."""
+    room = w.d(rank)
+    assert room.state == "Fenced" and w.kvpoll("decode", rank) == KVPoll.Failed
+    before = snapshot(room)
+    with pytest.raises(LocalProtocolError, match="clear is not accepted in state Fenced"):
+        w.decode(Clear(), rank)
+    assert snapshot(room) == before | {"last_row": room.last_row}  # last_row: a trace field the kit resets
+
+
+def test_decode_abort_while_writes_in_flight_fences_pages_until_prefill_drains():
+    w = Wire()
+    w.decode_announces()
+    w.deliver()
+    w.prefill(ready(LOCAL[:2]))
+    assert len(w.writes) == 1, "prefill posted a write into decode's pages; it has not landed"
+
+    w.decode(Abort("client went away"))
+    _fenced(w)
+    assert w.d().undrained == {0} and set(w.deadlines["decode", 0]) == {"fence"}
+    w.deliver()  # the abort reaches prefill: it fails, but its write is still in flight
+    assert w.p().state == "Failed" and "client went away" in w.p().failure and w.p().inflight
+    assert not messages(w.actions("prefill"), Drained)
+    _fenced(w)
+
+    w.land(0)  # the write lands in pages still reserved for this room, then completes at prefill
+    assert w.memory[0] == {10: {0: 40}, 11: {0: 41}}
+    assert w.p().last_row == "P28b" and messages(w.log[-1][3], Drained) == [(0, Drained(ROOM_ID, 0))]
+    assert w.d().state == "Fenced", "decode has not heard yet"
+    w.deliver()
+    assert w.d().state == "Failed" and w.d().last_row == "D25" and w.kvpoll("decode") == KVPoll.Failed
+    assert "client went away" in w.d().failure, "the first reason stays"
+    w.decode(Clear())
+    w.prefill(Clear())
+    assert (w.p().state, w.d().state) == ("Cleared", "Cleared") and _no_timers(w)
+
+
+def test_fence_released_when_the_only_source_dies():
+    w = Wire()
+    w.decode_announces()
+    w.deliver()
+    w.prefill(ready(LOCAL[:2]))
+    w.land(0)
+    w.prefill(ready(LOCAL[2:], last=True))  # chunk 1 and the aux write in flight
+    w.decode(Abort("client went away"))
+    _fenced(w)
+    w.outbox.clear()  # prefill rank 0 crashes before it reads the abort: no drained will ever come
+    actions = w.decode(PeerLost(0, "prefill rank 0 crashed"))  # a dead rank writes nothing more
+    assert w.d().state == "Failed" and w.d().last_row == "D25" and not w.d().undrained
+    assert actions == [CancelTimer("fence")] and not w.deadlines["decode", 0], "the fence timer is cancelled"
+    w.decode(Clear())
+    assert w.d().state == "Cleared"
+
+
+def test_announced_pages_are_released_at_once_when_the_only_source_dies():
+    w = Wire()
+    w.decode_announces()
+    w.deliver()
+    w.prefill(ready(LOCAL[:2]))
+    w.land(0)
+    w.decode(PeerLost(0, "prefill rank 0 crashed"))  # no source is left that could write
+    assert w.d().state == "Failed" and w.d().last_row == "D23" and not w.deadlines["decode", 0]
+    w.decode(Clear())
+
+
+def test_fence_timer_releases_pages_when_drained_is_lost():
+    w = Wire(timeouts={"decode": {"fence": 30.0}})
+    w.decode_announces()
+    w.deliver()
+    w.prefill(ready(LOCAL[:2]))
+    w.decode(Abort())
+    w.deliver()
+    w.land(0)  # the write completes: prefill sends drained ...
+    assert [type(CODEC.decode(data)) for _, _, data in w.outbox] == [Drained]
+    w.outbox.clear()  # ... and the network loses it
+    w.advance(29.0)
+    _fenced(w)
+    w.advance(1.0)
+    assert w.d().state == "Failed" and w.d().last_row == "D27" and _no_timers(w)
+    assert w.d().failure.startswith("aborted"), "the fence timer is not the failure's reason"
+    w.decode(Clear())
+    assert w.d().state == "Cleared"
+
+
+def test_multi_source_decode_failure_tells_every_other_source():
+    w = Wire(prefill_ranks=(0, 1))
+    assert w.d().sources == (0, 1)
+    w.decode_announces()
+    w.deliver()
+    w.prefill(ready(LOCAL, last=True, aux=1), rank=0)  # rank 0's chunk and aux write in flight
+    w.prefill(ready([50, 51]), rank=1)  # rank 1's first chunk in flight
+    w.prefill(Abort("engine dropped the request"), rank=1)
+    assert w.p(1).state == "Failed" and not messages(w.actions("prefill", 1), Drained)
+
+    w.deliver()  # rank 1's abort fails decode, which tells every source, rank 0 too
+    assert w.d().state == "Fenced" and w.d().undrained == {0, 1}
+    told = [r for r, _ in messages(w.actions("decode"), AbortNotice)]
+    assert told == [0, 1]
+    assert w.p(0).state == "Failed" and "engine dropped the request" in w.p(0).failure
+    assert w.p(1).last_row == "P21", "rank 1 ignores the echo of its own failure"
+    posted = len(_writes(w))
+    w.prefill(ready([52, 53], last=True), rank=1)  # the engine had not polled the failure yet
+    assert len(_writes(w)) == posted, "no source writes after the failure"
+
+    assert [src for src, _ in w.writes] == [0, 0, 1]
+    w.land(2)  # rank 1's write: its last one, so it confirms drained
+    w.deliver()
+    _fenced(w)
+    assert w.d().undrained == {0}, "rank 0 still writes"
+    w.land(1)  # rank 0's aux write; its chunk is still in flight
+    w.deliver()
+    _fenced(w)
+    w.land(0)
+    w.deliver()
+    assert [r for r, _ in messages(w.actions("prefill"), Drained)] == [0, 0]  # each prefill rank to decode 0
+    assert [s for s, r, e, _ in w.log if type(e).__name__ == "WritesDrained"] == ["decode", "decode"]
+    assert w.d().state == "Failed" and w.d().last_row == "D25" and _no_timers(w)
+    w.decode(Clear())
+
+
+def test_a_lost_drained_is_sent_again_when_the_fenced_decode_aborts():  # P21
+    w = Wire()
+    w.decode_announces()
+    w.deliver()
+    w.prefill(Abort("engine dropped the request"))  # nothing posted: the notice and drained go at once ...
+    assert [type(CODEC.decode(data)) for _, _, data in w.outbox] == [AbortNotice, Drained]
+    w.outbox.clear()  # ... and the network loses both
+    w.advance(300.0)  # decode hears nothing: its transfer timer fences the pages and tells prefill
+    assert w.d().state == "Fenced" and w.d().last_row == "D19"
+    w.deliver()  # the abort reaches the failed prefill room, which answers drained again
+    assert w.p().last_row == "P21" and w.p().state == "Failed"
+    assert [r for r, _ in messages(w.actions("prefill"), Drained)] == [0, 0]
+    assert w.d().state == "Failed" and w.d().last_row == "D25", "released without waiting for the fence timer"
+    assert "transfer timer expired" in w.d().failure and _no_timers(w)
+
+
+def test_late_room_pages_never_releases_pages_a_write_may_still_land_in():
+    w = Wire()
+    w.decode_announces()
+    (room_pages,) = w.outbox
+    w.deliver()
+    w.prefill(ready(LOCAL[:2]))
+    w.decode(Abort())
+    w.deliver()
+    assert w.p().state == "Failed" and w.p().inflight
+    w.outbox.append(room_pages)  # a duplicated (retried) room_pages arrives late
+    w.deliver()
+    assert w.p().last_row == "P23" and w.d().state == "Fenced", "told again, but not drained: a write is in flight"
+    assert not messages(w.actions("prefill"), Drained)
+    w.land(0)
+    w.deliver()
+    assert w.d().state == "Failed"
+
+
+def test_a_failed_write_lets_decode_release_its_pages_at_once():
+    w = Wire()
+    w.decode_announces()
+    w.deliver()
+    w.prefill(ready(LOCAL[:2]))
+    w.writes.clear()
+    actions = w.prefill(WriteFailed(0, 0, "RDMA error"))  # the only write concluded, with an error
+    assert w.p().last_row == "P16" and not w.p().inflight
+    assert [type(m) for _, m in messages(actions, RoomFailed) + messages(actions, Drained)] == [RoomFailed, Drained]
+    w.deliver()
+    assert w.d().state == "Failed" and "RDMA error" in w.d().failure and _no_timers(w)
+
+
+def test_a_rejected_announcer_is_told_it_may_release_its_pages():
+    w = Wire(registered={0: (2, AUX_SLOTS)})
+    w.decode_announces()
+    w.deliver()
+    assert w.p().last_row in ("P2", "P21") and w.p().state == "Failed"
+    assert w.d().state == "Failed", "nothing was written to it, yet it waits for the fence timer"
 
 
 # ---------------------------------------------------------------- duplicates and late news are ignored
@@ -359,7 +550,22 @@ def test_duplicate_and_late_write_completions_are_ignored():
     w.land_all()
     assert w.p().state == "Success"
     _ignored(w, "prefill", WriteCompleted(0, 1))
-    _ignored(w, "prefill", PeerLost(0, "decode rank restarted"))
+
+
+def test_a_successful_prefill_room_answers_a_late_decode_abort_with_drained():  # P21
+    w = Wire()
+    w.decode_announces()
+    w.deliver()
+    w.prefill(ready(LOCAL, last=True))
+    w.land_all()
+    assert (w.p().state, w.d().state) == ("Success", "Success")
+    before = snapshot(w.p())
+    actions = w.prefill(PeerLost(0, "decode rank restarted"))  # late news: ignored, nothing in flight ...
+    assert w.p().last_row == "P21" and snapshot(w.p()) == before | {"last_row": "P21"}
+    assert [type(a) for a in actions] == [RecordIgnored, SendMessage]
+    assert messages(actions, Drained) == [(0, Drained(ROOM_ID, 0))], "... so it confirms drained (again)"
+    w.deliver()  # a drained for a successful decode room is late news too
+    assert w.d().state == "Success" and w.d().last_row == "D17"
 
 
 # ---------------------------------------------------------------- peers' faults fail the room
@@ -381,7 +587,7 @@ def test_pages_outside_the_registered_region_are_rejected_before_any_write(regis
     assert not _writes(w), "no byte may be written into pages the peer never registered"
     assert [r for r, _ in messages(w.actions("prefill"), RoomFailed)] == [0], "the announcer is told at once"
     w.deliver()
-    assert w.d().state == "Failed" and why in w.d().failure
+    assert w.kvpoll("decode") == KVPoll.Failed and why in w.d().failure
 
 
 def test_chunk_notification_from_an_unexpected_source_fails_the_decode_room():
@@ -389,10 +595,11 @@ def test_chunk_notification_from_an_unexpected_source_fails_the_decode_room():
     w.decode_announces()
     w.deliver()
     w.decode(arrived(0, 0, 4, src=3, last=True))
-    assert w.d().state == "Failed" and "prefill rank 3, expected [0]" in w.d().failure
+    assert w.d().state == "Fenced" and "prefill rank 3, expected [0]" in w.d().failure
     assert [(r, m.side) for r, m in messages(w.actions("decode"), AbortNotice)] == [(0, "decode")]
     w.deliver()
     assert w.p().state == "Failed"
+    assert w.d().state == "Failed", "prefill had posted nothing: drained at once"
 
 
 def test_decode_fails_when_chunk_id_beyond_last():
@@ -400,7 +607,7 @@ def test_decode_fails_when_chunk_id_beyond_last():
     w.decode_announces()
     w.decode(arrived(1, 2, 2, last=True))  # two chunks in all
     w.decode(arrived(2, 0, 1))
-    assert w.d().state == "Failed" and "beyond the last chunk (2 chunks)" in w.d().failure
+    assert w.d().state == "Fenced" and "beyond the last chunk (2 chunks)" in w.d().failure
 
 
 def test_decode_fails_on_a_second_last_chunk():
@@ -408,7 +615,7 @@ def test_decode_fails_on_a_second_last_chunk():
     w.decode_announces()
     w.decode(arrived(0, 0, 2, last=True))
     w.decode(arrived(1, 2, 2, last=True))
-    assert w.d().state == "Failed" and "a second last chunk" in w.d().failure
+    assert w.d().state == "Fenced" and "a second last chunk" in w.d().failure
 
 
 def test_prefill_chunks_that_do_not_cover_the_announced_pages_fail_before_writing():
@@ -438,7 +645,7 @@ def test_overlapping_chunk_notifications_fail_the_decode_room_on_page_coverage()
     w.decode(AuxArrived(0))
     w.decode(arrived(0, 0, 2))
     w.decode(arrived(1, 1, 2, last=True))  # pages 1..2: overlaps chunk 0, page 3 never written; sizes add up
-    assert w.d().state == "Failed" and w.d().failure.startswith("page coverage mismatch")
+    assert w.d().state == "Fenced" and w.d().failure.startswith("page coverage mismatch")
     assert messages(w.actions("decode"), AbortNotice)
 
 

@@ -27,7 +27,9 @@ def test_spec_loads_with_both_room_machines():
     for m in SPEC.machines.values():
         assert m.rows, f"{m.name} has no transition rows"
         assert not m.states[m.initial].terminal
-        assert m.error_dest == "Failed"
+    # a peer's protocol error fails the room; on decode, its pages may still be written: fenced
+    assert SPEC.machines["prefill_room"].error_dest == "Failed"
+    assert SPEC.machines["decode_room"].error_dest == "Fenced"
 
 
 @pytest.mark.parametrize("name", MACHINE_NAMES)
@@ -137,6 +139,68 @@ def test_machines_build_from_the_repository_spec(name):
                 assert m.accepts(src, trigger), (row.id, src, trigger)
 
 
+def test_fenced_is_a_failed_state_that_is_not_concluded():
+    decode = SPEC.machines["decode_room"]
+    fenced = decode.states["Fenced"]
+    assert fenced.kvpoll == "Failed" and not fenced.terminal, "failed to the engine, pages still reserved"
+    assert set(decode.timers) == {"bootstrap", "transfer", "fence"}
+    assert decode.timers["fence"].trigger == "fence_timeout"
+    # a necessary condition only: the fence outlasts any one prefill timer (kvfsm check models the rest)
+    assert decode.timers["fence"].default_s > max(t.default_s for t in SPEC.machines["prefill_room"].timers.values())
+    clear = [r.id for r in decode.rows if "clear" in r.triggers and "Fenced" in r.sources]
+    assert not clear, f"clear is accepted while fenced ({clear}): the engine could reuse pages still written"
+
+
+def _entering(m, dest: str) -> list:
+    return [r for r in m.rows if r.dest == dest and any(s != dest for s in r.sources)]
+
+
+def test_every_decode_failure_with_pages_announced_fences_them_unless_no_writer_remains():
+    decode = SPEC.machines["decode_room"]
+    announced = {"WaitingForInput.Announced", "Transferring"}
+    for row in _entering(decode, "Failed"):
+        if announced & set(row.sources):
+            assert row.id == "D23" and "!writers_remain" in row.guards, f"{row.id} frees announced pages"
+            assert set(row.sources) <= announced
+        elif row.sources != ("Fenced",):
+            assert not {"fence", "arm:fence"} & set(row.actions), row.id
+    for row in _entering(decode, "Fenced"):
+        assert set(row.sources) <= announced, f"{row.id} fences a room that never announced"
+        assert row.actions[-2:] == ("fence", "arm:fence") and "cancel_timers" in row.actions, row.id
+        assert "tell_prefill:aborted" in row.actions, f"{row.id}: the sources must be told to stop writing"
+    assert decode.error_actions[-2:] == ("fence", "arm:fence")
+    # the fence is left only for Failed: by the last drain or death (D25) or by its timer (D27)
+    leaving = {(r.id, r.dest) for r in decode.rows if "Fenced" in r.sources and r.dest not in (None, "Fenced")}
+    assert leaving == {("D25", "Failed"), ("D27", "Failed")}
+
+
+def test_every_prefill_failure_tells_decode_and_confirms_drained():
+    prefill = SPEC.machines["prefill_room"]
+    rows = _entering(prefill, "Failed")
+    assert rows
+    for actions in [*(r.actions for r in rows), prefill.error_actions]:
+        tell = [a for a in actions if a.startswith("tell_decode:")]
+        assert tell and "tell_drained" in actions, actions
+        assert actions.index(tell[0]) < actions.index("tell_drained"), "the reason before the drain"
+        if "complete_write" in actions:  # a write that failed is no longer in flight
+            assert actions.index("complete_write") < actions.index("tell_drained")
+    (drain,) = [r for r in prefill.rows if "Failed" in r.sources and "write_completed" in r.triggers and r.guards]
+    assert drain.id == "P28b" and drain.guards == ("write_pending",)
+    assert drain.actions == ("complete_write", "tell_drained")
+
+
+def test_the_drained_message_and_the_writes_drained_event_agree():
+    msg = SPEC.messages["drained"]
+    assert (msg.plane, msg.direction) == ("control", "prefill->decode")
+    assert msg.fields == {"room": "u64", "prefill_rank": "u32"}
+    assert [f.name for f in dataclasses.fields(MESSAGE_CLASSES["drained"])] == ["room", "prefill_rank"]
+    ev = SPEC.events["writes_drained"]
+    assert (ev.class_name, ev.cause, dict(ev.fields)) == ("WritesDrained", "remote", {"prefill_rank": "u32"})
+    assert EVENT_CLASSES["WritesDrained"].trigger == "writes_drained"
+    assert "writes_drained" in SPEC.machines["decode_room"].triggers
+    assert "writes_drained" not in SPEC.machines["prefill_room"].triggers
+
+
 # ---------------------------------------------------------------- bad edits fail at load
 
 
@@ -164,6 +228,8 @@ def test_copied_spec_loads_and_builds(tmp_path):
         ("prefill_room.toml", "prefill_room", 'guard = ["!announce_valid"]', 'guard = ["!announce_vaild"]',
          "announce_vaild"),
         ("decode_room.toml", "decode_room", 'guard = ["aux_repeat"]', 'guard = ["aux_reppeat"]', "aux_reppeat"),
+        ("decode_room.toml", "decode_room", 'guard = ["drain_completes"]', 'guard = ["drain_complete"]',
+         "drain_complete"),
     ],
 )  # fmt: skip
 def test_unknown_guard_fails_when_the_machine_is_built(tmp_path, file, machine, old, new, named):
@@ -179,8 +245,14 @@ def test_unknown_guard_fails_when_the_machine_is_built(tmp_path, file, machine, 
          'actions = ["hold_chunks", "arm_once:hold"]', "hold_chunks"),
         ("decode_room.toml", "decode_room", 'on_create = ["arm:bootstrap"]', 'on_create = ["arm_timer:bootstrap"]',
          "arm_timer"),
-        ("decode_room.toml", "decode_room", 'actions = ["fail:protocol_error", "tell_prefill:aborted", "cancel_timers"]',
-         'actions = ["fail:protocol_error", "tell_prefil:aborted", "cancel_timers"]', "tell_prefil"),
+        ("decode_room.toml", "decode_room",
+         'actions = ["fail:protocol_error", "tell_prefill:aborted", "cancel_timers", "fence", "arm:fence"]',
+         'actions = ["fail:protocol_error", "tell_prefil:aborted", "cancel_timers", "fence", "arm:fence"]',
+         "tell_prefil"),
+        ("decode_room.toml", "decode_room", 'actions = ["record_drained", "cancel:fence"]',
+         'actions = ["record_drain", "cancel:fence"]', "record_drain"),
+        ("prefill_room.toml", "prefill_room", 'actions = ["complete_write", "tell_drained"]',
+         'actions = ["complete_write", "tell_drain"]', "tell_drain"),
     ],
 )  # fmt: skip
 def test_unknown_action_fails_when_the_machine_is_built(tmp_path, file, machine, old, new, named):
@@ -196,12 +268,18 @@ def test_unknown_action_fails_when_the_machine_is_built(tmp_path, file, machine,
          'actions = ["hold_chunk", "arm_once:hodl"]', "not a timer"),
         ("decode_room.toml", "decode_room", 'on_create = ["arm:bootstrap"]', 'on_create = ["arm:transfr"]',
          "not a timer"),
-        ("prefill_room.toml", "prefill_room", 'actions = ["fail:aborted", "tell_decode:aborted", "cancel_timers"]',
-         'actions = ["fail:aborted", "tell_decode:abortd", "cancel_timers"]', "must be one of"),
+        ("prefill_room.toml", "prefill_room",
+         'actions = ["fail:aborted", "tell_decode:aborted", "tell_drained", "cancel_timers"]',
+         'actions = ["fail:aborted", "tell_decode:abortd", "tell_drained", "cancel_timers"]', "must be one of"),
+        ("prefill_room.toml", "prefill_room", 'actions = ["complete_write", "tell_drained"]',
+         'actions = ["complete_write", "tell_drained:now"]', "takes no argument"),
+        ("decode_room.toml", "decode_room", 'actions = ["record_drained", "cancel:fence"]',
+         'actions = ["record_drained", "cancel:fense"]', "not a timer"),
         ("prefill_room.toml", "prefill_room", 'actions = ["hold_chunk", "arm_once:hold"]',
          'actions = ["hold_chunk:now", "arm_once:hold"]', "takes no argument"),
-        ("decode_room.toml", "decode_room", 'actions = ["fail:peer", "cancel_timers"]',
-         'actions = ["fail", "cancel_timers"]', "needs a text argument"),
+        ("decode_room.toml", "decode_room",
+         'actions = ["fail:peer", "tell_prefill:aborted", "cancel_timers", "fence", "arm:fence"]',
+         'actions = ["fail", "tell_prefill:aborted", "cancel_timers", "fence", "arm:fence"]', "needs a text argument"),
     ],
 )  # fmt: skip
 def test_a_bad_action_argument_fails_when_the_machine_is_built(tmp_path, file, machine, old, new, message):

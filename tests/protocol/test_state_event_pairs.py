@@ -15,11 +15,13 @@ from hypothesis import strategies as st
 from protocol_kit import (
     ALL_TRIGGERS,
     CAUSE,
+    FAILED,
     KINDS,
     MACHINES,
     announce,
     checked_step,
     event_for,
+    kvpoll_of,
     machine_spec,
     new_room,
     reachable,
@@ -51,11 +53,11 @@ def _apply(kind, room, event):
         return None
 
 
-def test_every_machine_has_rows_for_all_four_prefill_timers_and_both_decode_timers():
+def test_every_machine_has_rows_for_all_four_prefill_timers_and_the_three_decode_timers():
     assert {"bootstrap_timeout", "hold_timeout", "input_timeout", "transfer_timeout"} <= set(
         machine_spec("prefill").triggers
     )
-    assert {"bootstrap_timeout", "transfer_timeout"} <= set(machine_spec("decode").triggers)
+    assert {"bootstrap_timeout", "transfer_timeout", "fence_timeout"} <= set(machine_spec("decode").triggers)
 
 
 @pytest.mark.parametrize(("kind", "state", "trigger"), PAIRS, ids=["-".join(p) for p in PAIRS])
@@ -81,21 +83,75 @@ def test_event_of_the_other_side_is_refused_in_every_state(data, kind, trigger):
         assert actions is None, "a local event no row names must raise LocalProtocolError"
     else:
         assert room.last_row == "on_remote_error"
-        assert room.state == (state if MACHINES[kind].is_terminal(state) else "Failed")
+        assert room.state == (state if MACHINES[kind].is_terminal(state) else machine_spec(kind).error_dest)
         assert isinstance(actions[-1], RecordProtocolError)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@settings(max_examples=200, deadline=None)
+FAILED_STATES = [(kind, s) for kind in KINDS for s in machine_spec(kind).states if kvpoll_of(kind, s) == FAILED]
+
+
+def test_the_failed_states_are_failed_and_fenced():
+    assert FAILED_STATES == [("prefill", "Failed"), ("decode", "Fenced"), ("decode", "Failed")]
+
+
+@pytest.mark.parametrize(("kind", "state"), FAILED_STATES, ids=["-".join(p) for p in FAILED_STATES])
+@settings(max_examples=100, deadline=None)
 @given(data=st.data())
-def test_failed_is_sticky(data, kind):
-    room = data.draw(reachable(kind, "Failed"), label="path").build()
+def test_failed_is_sticky(data, kind, state):
+    # KVPoll Failed never shows another code before clear: Failed stays Failed, Fenced stays Fenced
+    # or moves on to Failed. In Fenced only events its own runtime can deliver are drawn: a foreign
+    # one is a protocol error there, which fences the room afresh with a new reason.
+    room = data.draw(reachable(kind, state), label="path").build()
     failure = room.failure
+    triggers = ALL_TRIGGERS if state == "Failed" else machine_spec(kind).triggers
     for _ in range(data.draw(st.integers(1, 4), label="n")):
-        trigger = data.draw(st.sampled_from([t for t in ALL_TRIGGERS if t != "clear"]), label="trigger")
+        trigger = data.draw(st.sampled_from([t for t in triggers if t != "clear"]), label="trigger")
+        before = room.state
         _apply(kind, room, data.draw(event_for(trigger, room), label="event"))
-        assert room.state == "Failed"
+        assert room.state == "Failed" if before == "Failed" else room.state in ("Fenced", "Failed")
+        assert MACHINES[kind].kvpoll(room) == FAILED
     assert room.failure == failure, "a failed room keeps its first reason"
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_clear_while_fenced_raises_and_changes_nothing(data):
+    room = data.draw(reachable("decode", "Fenced"), label="path").build()
+    before = snapshot(room)
+    with pytest.raises(LocalProtocolError, match="clear is not accepted in state Fenced"):
+        MACHINES["decode"].step(room, Clear(), 1.0)
+    assert snapshot(room) == before
+    assert room.undrained and room.timers == {"fence"}, "the pages stay fenced"
+
+
+def test_every_remote_trigger_of_decode_is_accepted_while_fenced():
+    # A peer's message while fenced (late notification, duplicate drained, another rank's news) is a
+    # row, never a protocol error: that would fence the room afresh and forget the confirmations.
+    m = MACHINES["decode"]
+    for trigger in m.spec.triggers:
+        if CAUSE[trigger] == "remote":
+            assert m.accepts("Fenced", trigger), f"{trigger} while fenced would be a protocol error"
+    assert not m.accepts("Fenced", "clear")
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_fence_is_released_only_when_every_writer_drained_or_died_or_its_timer_fired(data):
+    room = data.draw(reachable("decode", "Fenced"), label="path").build()
+    waiting = set(room.undrained)
+    for _ in range(8):
+        trigger = data.draw(st.sampled_from(["writes_drained", "peer_lost", "fence_timeout"]), label="trigger")
+        event = data.draw(event_for(trigger, room), label="event")
+        _apply("decode", room, event)
+        if trigger == "fence_timeout":
+            assert room.state == "Failed" and room.last_row == "D27"
+            break
+        waiting.discard(event.prefill_rank if trigger == "writes_drained" else event.peer_rank)
+        assert room.state == ("Fenced" if waiting else "Failed"), (event, waiting)
+        assert room.undrained == waiting
+        if not waiting:
+            assert room.last_row == "D25" and not room.timers
+            break
 
 
 @pytest.mark.parametrize("kind", KINDS)

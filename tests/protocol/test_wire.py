@@ -11,9 +11,11 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from protocol_kit import MACHINES, Wire
 
 from kvfsm.protocol import MalformedMessage, UnsupportedVersion, load_spec
-from kvfsm.protocol.wire import MAX_LIST, MAX_STR, MESSAGE_CLASSES, Codec
+from kvfsm.protocol.events import WritesDrained
+from kvfsm.protocol.wire import MAX_LIST, MAX_STR, MESSAGE_CLASSES, Codec, Drained
 
 SPEC = load_spec()
 CODEC = Codec(SPEC.version, {n: m.fields for n, m in SPEC.messages.items()})
@@ -225,3 +227,26 @@ def _valid(ftype: str, value) -> bool:
 def test_deeply_nested_json_is_malformed_not_a_recursion_error():
     with pytest.raises(MalformedMessage):
         CODEC.decode(b"[" * 100_000)
+
+
+def test_drained_round_trips_with_exactly_its_two_fields():
+    msg = Drained(room=2**40, prefill_rank=2**32 - 1)
+    wire = CODEC.encode(msg)
+    assert json.loads(wire) == {"v": SPEC.version, "t": "drained", "room": 2**40, "prefill_rank": 2**32 - 1}
+    assert CODEC.decode(wire) == msg
+    with pytest.raises(MalformedMessage, match="unknown fields.*'reason'"):
+        CODEC.decode(raw(envelope("drained", reason="why")))  # not a room_failed
+    with pytest.raises(MalformedMessage, match="drained.prefill_rank"):
+        CODEC.decode(raw(envelope("drained", prefill_rank=-1)))
+
+
+WIRE = Wire(prefill_ranks=(), decode_ranks=())  # only its message -> room event mapping is used
+
+
+@settings(max_examples=50, deadline=None)
+@given(message_of("drained"))
+def test_a_drained_message_becomes_the_decode_rooms_writes_drained_event(msg):
+    event = WIRE._event_of(CODEC.decode(CODEC.encode(msg)))
+    assert event == WritesDrained(msg.prefill_rank)
+    assert event.trigger in MACHINES["decode"].spec.triggers and event.cause == "remote"
+    assert not MACHINES["prefill"].accepts("Failed", event.trigger), "drained only ever goes to decode"

@@ -390,3 +390,45 @@ def test_chunks_that_do_not_cover_decode_pages_exactly_fail_both_sides(cluster: 
     assert senders[0].poll() == recv[0].poll() == KVPoll.Failed  # 2 pages sent, 3 announced
     assert "page count mismatch" in senders[0].failure_exception().reason
     assert senders[1].poll() == recv[1].poll() == KVPoll.Success
+
+
+def test_decode_abort_with_a_write_in_flight_keeps_pages_fenced_until_prefill_drains() -> None:
+    c = LoopbackCluster()
+    recv = c.decode[0].create_receiver(50)
+    recv.init([4, 5], 0)
+    sender = c.prefill[0].create_sender(50)
+    c.settle()
+    # Hold the data plane: the first write is accepted but its completion is not yet delivered.
+    sender.send([1], is_last=False)
+    recv.abort("user cancelled")
+    assert recv.poll() == KVPoll.Failed and recv.pages_fenced()
+    with pytest.raises(LocalProtocolError, match="Fenced"):
+        recv.clear()  # the engine must not reuse pages a write may still land in
+    c.settle()  # abort reaches prefill; its write completes; it tells decode the writes drained
+    assert sender.poll() == KVPoll.Failed
+    assert not recv.pages_fenced() and recv.poll() == KVPoll.Failed
+    recv.clear()
+    sender.clear()
+    assert c.decode[0].stats()["counters"]["rooms_cleared"] == 1
+
+
+def test_fence_timer_releases_pages_when_the_drain_confirmation_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    c = LoopbackCluster(timeouts={"fence": 30.0})
+    recv = c.decode[0].create_receiver(51)
+    recv.init([4, 5], 0)
+    sender = c.prefill[0].create_sender(51)
+    c.settle()
+    sender.send([1], is_last=False)
+    real_send = c.prefill[0].endpoint.send
+    # the network loses prefill's drained message
+    monkeypatch.setattr(
+        c.prefill[0].endpoint, "send", lambda peer, data: None if b'"t":"drained"' in data else real_send(peer, data)
+    )
+    recv.abort()
+    c.settle()
+    assert sender.poll() == KVPoll.Failed and recv.pages_fenced()
+    c.advance(29.0)
+    assert recv.pages_fenced()
+    c.advance(2.0)
+    assert not recv.pages_fenced()
+    recv.clear()

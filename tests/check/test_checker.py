@@ -1,0 +1,129 @@
+"""kvfsm check: the model checker explores the protocol the runtime runs, finds every mutant."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvfsm.check import CheckConfig, explore
+from kvfsm.check.cli import PRESETS, mermaid
+from kvfsm.check.explore import components, explore_reduced
+from kvfsm.check.mutants import MUTANTS
+from kvfsm.check.properties import PREDICATES, load_properties
+
+
+def test_every_property_in_the_spec_has_a_predicate_and_back() -> None:
+    props = load_properties()
+    names = {n for group in props.values() for n in group}
+    assert names == set(PREDICATES)
+    assert set(props["sometimes"]) == {"room_succeeds", "room_fails_by_timeout", "scenario_1", "scenario_2"}
+
+
+# Stateright style: any change of semantics changes these numbers. Update them deliberately.
+PINNED = [
+    (CheckConfig(1, 1, 1, 1), 1516, 3746, 19),
+    (CheckConfig(1, 1, 1, 2), 7032, 22519, 23),
+    (CheckConfig(1, 1, 1, 1, loss=1), 4207, 11847, 19),
+    (CheckConfig(1, 1, 1, 1, dup=1), 8024, 24366, 21),
+    (CheckConfig(1, 1, 1, 1, crash=1), 3818, 9613, 19),
+    (CheckConfig(1, 1, 1, 1, aborts=1), 4947, 14324, 20),
+    (CheckConfig(1, 1, 1, 1, dup=1, ordered=False), 9906, 32507, 21),
+]
+
+
+@pytest.mark.parametrize(("cfg", "states", "edges", "depth"), PINNED)
+def test_pinned_state_counts_and_every_property_holds(cfg: CheckConfig, states: int, edges: int, depth: int) -> None:
+    r = explore(cfg)
+    assert r.complete and r.violations == []
+    assert (r.distinct_states, r.edges, r.max_depth) == (states, edges, depth)
+
+
+def test_smoke_preset_explores_everything_and_witnesses_every_sometimes() -> None:
+    r = explore(PRESETS["smoke"])
+    assert r.complete and r.ok, r.violations
+    assert all(r.witnessed.values()), r.witnessed  # the model is not vacuous
+
+
+# Shortest counterexample lengths (BFS); a change means the protocol or the model changed.
+TRACE_LENGTH = {
+    "failed_revived_by_success": 8,
+    "abort_flips_success": 10,
+    "completion_per_pp_rank": 14,
+    "success_before_aux": 7,
+    "no_bootstrap_timeout": 6,
+    "prefill_failure_untold": 6,
+    "decode_abort_untold": 2,
+    "late_message_resurrects": 12,
+    "pages_released_before_drain": 8,
+    "drained_before_writes_done": 10,
+    "source_released_in_flight": 8,
+    "early_expiry_forgotten": 12,
+}
+
+
+def test_the_mutant_catalogue_has_at_least_ten_bug_classes() -> None:
+    assert len(MUTANTS) >= 10 and set(TRACE_LENGTH) == set(MUTANTS)
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_checker_finds_every_mutant_with_its_shortest_trace(name: str) -> None:
+    m = MUTANTS[name]
+    r = explore(replace(m.config, mutant=name))
+    found = {v["name"]: v for v in r.violations}
+    assert m.expect in found, f"{name}: expected {m.expect}, found {list(found)}"
+    assert len(found[m.expect]["trace"]) == TRACE_LENGTH[name]
+    assert r.seconds < 10
+
+
+def test_the_correct_protocol_passes_each_mutant_configuration() -> None:
+    for m in MUTANTS.values():
+        r = explore(m.config)
+        assert r.ok, (m.name, r.violations[:1])
+
+
+def test_independent_rooms_and_rank_pairs_reduce_to_one_component() -> None:
+    assert [(c.prefill_ranks, c.decode_ranks, c.rooms, n) for c, n in components(PRESETS["standard"])] == [(1, 1, 1, 4)]
+    assert [(c.prefill_ranks, c.decode_ranks, n) for c, n in components(CheckConfig(4, 2, 3, 1))] == [(2, 1, 6)]
+    assert [(c.prefill_ranks, c.decode_ranks, n) for c, n in components(CheckConfig(1, 2, 1, 1))] == [(1, 2, 1)]
+
+
+def test_a_violation_found_in_the_component_is_also_found_in_the_product() -> None:
+    cfg = CheckConfig(1, 1, 2, 1, mutant="decode_abort_untold", aborts=1)
+    reduced, _ = explore_reduced(cfg)
+    product = explore(cfg)
+    assert {v["name"] for v in reduced.violations} == {v["name"] for v in product.violations} == {"failure_is_told"}
+
+
+def test_mermaid_trace_names_every_rank_and_step() -> None:
+    r = explore(replace(MUTANTS["pages_released_before_drain"].config, mutant="pages_released_before_drain"))
+    text = mermaid(r.violations[0]["trace"], r.config)
+    assert text.startswith("sequenceDiagram") and "participant P0" in text and "participant D0" in text
+    assert "8. write aux of room 0 lands" in text
+
+
+def _kvfsm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvfsm.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_reports_a_mutant_with_exit_status_1_json_and_a_jsonl_trace(tmp_path: Path) -> None:
+    out = tmp_path / "trace.jsonl"
+    p = _kvfsm("check", "--mutant", "success_before_aux", "--json", "--trace-out", str(out))
+    assert p.returncode == 1, p.stderr
+    res = json.loads(p.stdout)
+    assert {"distinct_states", "edges", "max_depth", "seconds", "states_per_second", "violations"} <= set(res)
+    assert res["violations"][0]["name"] == "no_false_success"
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["violation"] == "no_false_success" and lines[0]["config"]["mutant"] == "success_before_aux"
+    assert [x["step"] for x in lines[1:]] == list(range(1, 8))
+
+
+def test_cli_smoke_preset_passes_and_lists_mutants() -> None:
+    p = _kvfsm("check", "--preset", "smoke")
+    assert p.returncode == 0 and "every property holds" in p.stdout, p.stdout + p.stderr
+    p = _kvfsm("check", "--list-mutants")
+    assert p.returncode == 0 and all(name in p.stdout for name in MUTANTS)
