@@ -19,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     check_cli.add_arguments(
         sub.add_parser("check", help="model-check the protocol: every interleaving, faults, invariants")
     )
+    from kvfsm.check import replay as replay_cli
+
+    replay_cli.add_arguments(
+        sub.add_parser("replay", help="drive the runtime over loopback through a kvfsm check trace")
+    )
     docs = sub.add_parser("docs", help="regenerate docs/ from spec/ (--check: fail if stale)")
     docs.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
@@ -26,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         return demo.main(args)
     if args.command == "check":
         return check_cli.main(args)
+    if args.command == "replay":
+        return replay_cli.main(args)
     if args.command == "docs":
         from kvfsm import docsgen
 

@@ -44,11 +44,13 @@ class LoopbackCluster:
     connect: bool = True
     clock: Callable[[], float] = field(default_factory=ManualClock)
     config: RuntimeConfig | None = None  # overrides workers and timeouts when given
+    protocol: Protocol | None = None  # e.g. a mutant's (kvfsm.check.mutants.mutated_protocol)
+    async_writes: bool = False  # a write's data lands when its queued item is delivered
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
-        self.fabric = Fabric(self.seed, ordered=self.ordered, faults=self.faults)
-        self.protocol = Protocol()
+        self.fabric = Fabric(self.seed, ordered=self.ordered, faults=self.faults, async_writes=self.async_writes)
+        self.protocol = self.protocol or Protocol()
         cfg = self.config or RuntimeConfig(workers=self.workers, timeouts=dict(self.timeouts))
         self.pkv = [bytearray(rng.randbytes(self.pages * self.page_bytes)) for _ in range(self.prefill_ranks)]
         self.paux = [bytearray(rng.randbytes(self.aux_slots * self.aux_bytes)) for _ in range(self.prefill_ranks)]

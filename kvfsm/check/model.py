@@ -185,6 +185,7 @@ class _Builder:
     landed: set[tuple[int, int, int, int]]
     budgets: list[int]
     crashed: set[str]
+    lost: set[tuple[str, str]]  # (node, dead peer) once the node received the peer-loss notice
     notes: set[str] = field(default_factory=set)
 
     def freeze(self) -> State:
@@ -195,6 +196,7 @@ class _Builder:
             tuple(sorted(self.landed)),
             tuple(self.budgets),
             tuple(sorted(self.crashed)),
+            tuple(sorted(self.lost)),
         )
 
 
@@ -241,7 +243,9 @@ class Model:
 
     def initial(self) -> State:
         c = self.cfg
-        return _Builder([None] * len(self.slot_info), {}, [], set(), [c.loss, c.dup, c.crash, c.aborts], set()).freeze()
+        return _Builder(
+            [None] * len(self.slot_info), {}, [], set(), [c.loss, c.dup, c.crash, c.aborts], set(), set()
+        ).freeze()
 
     # ------------------------------------------------------------------ stepping one room
 
@@ -298,9 +302,15 @@ class Model:
         before = b.slots[idx]
         new, outputs, row = self._step(side, room, rank, before, event)
         b.slots[idx] = new
+        unroutable = []
         for item in outputs:
-            self._enqueue(b, item)
+            if item[0] == "w" and (item[1], item[2]) in b.lost:
+                unroutable.append(item)  # runtime: no route to a peer known dead; the job fails at once
+            else:
+                self._enqueue(b, item)
         self._edge_notes(b, idx, side, room, rank, before, new, outputs, row, event)
+        for item in unroutable:
+            self._apply(b, idx, WriteFailed(int(item[2][1:]), item[4], ""))
 
     def _enqueue(self, b: _Builder, item: Item) -> None:
         dst = item[1] if item[0] in ("c", "l") else item[2]
@@ -326,14 +336,15 @@ class Model:
     # ------------------------------------------------------------------ successors
 
     def successors(self, state: State) -> Iterator[tuple[Label, State, frozenset[str]]]:
-        slots, fifo, bag, landed, budgets, crashed = state
+        slots, fifo, bag, landed, budgets, crashed, lost = state
         cfg = self.cfg
         dead = set(crashed)
 
         def fresh() -> _Builder:
             return _Builder(
-                list(slots), {k: list(q) for k, q in fifo}, list(bag), set(landed), list(budgets), set(crashed)
-            )
+                list(slots), {k: list(q) for k, q in fifo}, list(bag), set(landed), list(budgets), set(crashed),
+                set(lost),
+            )  # fmt: skip
 
         def emit(label: Label, b: _Builder) -> tuple[Label, State, frozenset[str]]:
             return label, b.freeze(), frozenset(b.notes)
@@ -513,7 +524,11 @@ class Model:
         if prior == ("X",):
             self._apply(b, idx, Abort(""))  # runtime: the announcement expired; decode was told
         if side == "D":
-            self._apply(b, idx, PeersReady())  # links are up: registration is modelled as done
+            me = self.node("D", rank)
+            broken = [p for p in self.sources[rank] if (me, self.node("P", p)) in b.lost]
+            # runtime create_receiver: a source known dead fails the room at once; otherwise the
+            # links are up (registration is modelled as done before the run)
+            self._apply(b, idx, PeerLost(broken[0], "") if broken else PeersReady())
         for ev in stash:
             self._apply(b, idx, ev)
 
@@ -552,11 +567,16 @@ class Model:
             _, dst, lost = item
             side, rank = dst[0], int(dst[1:])
             lost_rank = int(lost[1:])
+            b.lost.add((dst, lost))
             for r in range(self.cfg.rooms):
                 idx = self.slot_index[(side, r, rank)]
                 if not self._live(b, idx):
                     continue
-                involved = lost_rank in (self.sources[rank] if side == "D" else self.dests[rank])
+                # runtime: decode fails rooms of that source; prefill rooms the dead rank announced to
+                if side == "D":
+                    involved = lost_rank in self.sources[rank]
+                else:
+                    involved = lost_rank in {d for d, *_ in b.slots[idx][3]}
                 if involved:
                     self._apply(b, idx, PeerLost(lost_rank, ""))
 

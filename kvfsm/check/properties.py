@@ -100,7 +100,7 @@ def landing_notes(model: Model, b: _Builder, room: int, p: int, d: int, chunk_id
 
 def stuck_rooms(model: Model, state: Any) -> list[str]:
     """liveness.no_stuck_room: rooms (of live nodes) not concluded and cleared in a final state."""
-    slots, *_, crashed = state
+    slots, crashed = state[0], state[5]
     stuck = []
     for idx, (side, room, rank) in enumerate(model.slot_info):
         if model.node(side, rank) in crashed:

@@ -233,6 +233,14 @@ class Manager:
                     self._failures.pop(rid, None)
             self._tick_side(now)
 
+    def fire_timer(self, room: int, timer: str) -> None:
+        """Fire one armed timer now, whatever its deadline (trace replay and tests)."""
+        with self._lock:
+            if not self._timers.armed(room, timer):
+                raise LocalProtocolError(f"timer {timer!r} of room {room} is not armed on {self.side} rank {self.rank}")
+            self._timers.cancel(room, timer)
+            self._dispatch(room, TimerFired(timer))
+
     def next_deadline(self) -> float | None:
         with self._lock:
             return self._timers.next_deadline()

@@ -152,23 +152,31 @@ class PrefillManager(Manager):
         self._early.setdefault(rid, []).append((peer, event))
         self.telemetry.count("early_messages")
 
+    def expire_early(self, room: int) -> None:
+        """Expire the messages kept for a not-yet-created room now (trace replay and tests)."""
+        with self._lock:
+            self._expire(room, self.clock())
+
     def _tick_side(self, now: float) -> None:
         while self._early_order and self._early_order[0][0] <= now:
             _, rid = self._early_order.popleft()
-            events = self._early.pop(rid, None)
-            if events is None:
-                continue
-            self._count_drop("early_expired", f"room {rid} was never created on this rank")
-            # Remember it: decode was told the room failed and released its pages, so neither a
-            # late duplicate room_pages nor the engine's late create_sender may start writes.
-            reason = f"prefill rank {self.rank} never created room {rid} within {self.config.early_ttl_s}s"
-            self._tombstones[rid] = ("Expired", now + self.config.tombstone_ttl_s)
-            self._tomb_order.append((now + self.config.tombstone_ttl_s, rid))
-            self._failures[rid] = reason
-            for _peer, event in events:
-                if isinstance(event, PagesAnnounced):
-                    self._send(event.dest_rank, RoomFailed(rid, self.rank, reason))
-                    self._send(event.dest_rank, Drained(rid, self.rank))
+            self._expire(rid, now)
+
+    def _expire(self, rid: int, now: float) -> None:
+        events = self._early.pop(rid, None)
+        if events is None:
+            return
+        self._count_drop("early_expired", f"room {rid} was never created on this rank")
+        # Remember it: decode was told the room failed and released its pages, so neither a
+        # late duplicate room_pages nor the engine's late create_sender may start writes.
+        reason = f"prefill rank {self.rank} never created room {rid} within {self.config.early_ttl_s}s"
+        self._tombstones[rid] = ("Expired", now + self.config.tombstone_ttl_s)
+        self._tomb_order.append((now + self.config.tombstone_ttl_s, rid))
+        self._failures[rid] = reason
+        for _peer, event in events:
+            if isinstance(event, PagesAnnounced):
+                self._send(event.dest_rank, RoomFailed(rid, self.rank, reason))
+                self._send(event.dest_rank, Drained(rid, self.rank))
 
     def _on_completion(self, item: Inbound) -> None:
         tag = item.tag

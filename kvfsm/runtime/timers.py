@@ -36,6 +36,9 @@ class TimerWheel:
         if len(self._heap) > 1024 and len(self._heap) > 4 * self._count:
             self._compact()
 
+    def armed(self, room: int, timer: str) -> bool:
+        return timer in self._armed.get(room, {})
+
     def cancel(self, room: int, timer: str) -> None:
         timers = self._armed.get(room)
         if timers is not None and timers.pop(timer, None) is not None:

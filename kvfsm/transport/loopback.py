@@ -26,8 +26,9 @@ import ctypes
 import random
 import threading
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvfsm.transport.base import Handler, Inbound, Region, Segment, TransportError
 
@@ -57,6 +58,7 @@ class _Item:
     dst: str
     inbound: Inbound
     hold: int = 0  # picks to wait (delay fault)
+    job: tuple[Any, ...] | None = None  # async_writes: (writer, region, segments, notification) of a write in flight
 
 
 @dataclass
@@ -76,9 +78,14 @@ class FabricStats:
 class Fabric:
     """The in-process network. Thread-safe; deterministic for a seed when pumped by one thread."""
 
-    def __init__(self, seed: int = 0, *, ordered: bool = True, faults: Faults | None = None) -> None:
+    def __init__(
+        self, seed: int = 0, *, ordered: bool = True, faults: Faults | None = None, async_writes: bool = False
+    ) -> None:
         self.rng = random.Random(seed)
         self.ordered = ordered
+        # async_writes: a write's data lands when its queued write item is delivered (like an RDMA
+        # write in flight), not inside write(); kvfsm replay uses it to follow checker traces.
+        self.async_writes = async_writes
         self.faults = faults or Faults()
         self._lock = threading.Lock()
         self._endpoints: dict[str, LoopbackEndpoint] = {}
@@ -109,7 +116,17 @@ class Fabric:
                 return
             self._dead.add(name)
             for key in [k for k in self._queues if name in k]:
-                self._pending -= len(self._queues.pop(key))
+                for item in self._queues.pop(key):
+                    self._pending -= 1
+                    if item.job is not None and item.dst == name and item.src not in self._dead:
+                        # a write in flight into the dead node fails: its writer learns it
+                        self._enqueue(
+                            _Item(
+                                name,
+                                item.src,
+                                Inbound("completion", name, tag=item.inbound.tag, ok=False, reason=f"{name} crashed"),
+                            )
+                        )
             for other in sorted(self._contacts.get(name, ())):
                 if other not in self._dead:
                     self._enqueue(_Item(name, other, Inbound("peer_lost", name, reason=f"{name} crashed")))
@@ -184,15 +201,60 @@ class Fabric:
                 item = self._pick()
                 if item is None:
                     break
-                ep = self._endpoints.get(item.dst)
-                dead = item.dst in self._dead
                 n += 1
-                if ep is None or dead or ep.handler is None:
-                    self.stats.undeliverable += 1
-                    continue
-                self.stats.delivered += 1
-            ep.handler(item.inbound)  # never under the lock: handlers send and write
+            self.deliver(item)
         return n
+
+    def deliver(self, item: _Item) -> None:
+        """Deliver one item taken from the queues (pump, or a replay choosing it by hand)."""
+        with self._lock:
+            ep = self._endpoints.get(item.dst)
+            dead = item.dst in self._dead
+            if item.job is None and (ep is None or dead or ep.handler is None):
+                self.stats.undeliverable += 1
+                return
+            self.stats.delivered += 1
+        if item.job is not None:
+            writer, region, segments, notification = item.job
+            self._land(writer, item.dst, region, segments, notification, item.inbound.tag)
+        else:
+            assert ep is not None and ep.handler is not None
+            ep.handler(item.inbound)  # never under the lock: handlers send and write
+
+    def take(self, match: Callable[[_Item], bool]) -> _Item | None:
+        """Remove and return the first queued item ``match`` accepts (replay and fault tests)."""
+        with self._lock:
+            for key, q in self._queues.items():
+                for idx, item in enumerate(q):
+                    if match(item):
+                        del q[idx]
+                        if not q:
+                            del self._queues[key]
+                        self._pending -= 1
+                        return item
+        return None
+
+    def fail_write(self, item: _Item) -> None:
+        """A write taken from the queues is lost: its writer is told it failed (the data plane
+        always reports the fate of a posted write)."""
+        assert item.job is not None
+        with self._lock:
+            self._enqueue(
+                _Item(
+                    item.dst,
+                    item.src,
+                    Inbound("completion", item.dst, tag=item.inbound.tag, ok=False, reason="write lost"),
+                )
+            )
+
+    def requeue(self, item: _Item) -> None:
+        """Queue ``item`` again (a duplicate, when chosen by a replay)."""
+        with self._lock:
+            self._enqueue(replace(item, hold=0))
+
+    def queued(self) -> list[_Item]:
+        with self._lock:
+            return [item for q in self._queues.values() for item in q]
 
     # ------------------------------------------------------------------ data plane
 
@@ -209,6 +271,13 @@ class Fabric:
             dst = self._endpoints.get(peer)
             dead = src.name in self._dead or peer in self._dead
         if dead or dst is None:
+            if self.async_writes and dst is not None and src.name not in self._dead:
+                # like a posted RDMA write to a dead peer: accepted, then reported failed
+                with self._lock:
+                    self._enqueue(
+                        _Item(peer, src.name, Inbound("completion", peer, tag=tag, ok=False, reason=f"{peer} is dead"))
+                    )
+                return 0
             raise TransportError(f"write to {peer}: peer is not reachable")
         src_mv = src.region(region)
         dst_mv = dst.region(region)
@@ -229,6 +298,32 @@ class Fabric:
                     f"write {src.name}->{peer}: segment {s} outside registered {region} "
                     f"({len(src_mv)} local, {len(dst_mv)} remote bytes)"
                 )
+        if self.async_writes:
+            with self._lock:
+                self._contacts[src.name].add(peer)
+                self._contacts[peer].add(src.name)
+                self._enqueue(
+                    _Item(
+                        src.name, peer, Inbound("completion", peer, tag=tag), job=(src, region, segments, notification)
+                    )
+                )
+            return sum(s.length for s in segments)
+        return self._land(src, peer, region, segments, notification, tag)
+
+    def _land(
+        self, src: LoopbackEndpoint, peer: str, region: Region, segments: Sequence[Segment], notification: bytes,
+        tag: object,
+    ) -> int:  # fmt: skip
+        with self._lock:
+            dst = self._endpoints.get(peer)
+            if peer in self._dead or dst is None:
+                if src.name not in self._dead:
+                    self._enqueue(
+                        _Item(peer, src.name, Inbound("completion", peer, tag=tag, ok=False, reason=f"{peer} is dead"))
+                    )
+                return 0
+        src_mv, dst_mv = src.region(region), dst.region(region)
+        assert src_mv is not None and dst_mv is not None  # checked by _write
         moved = 0
         src_addr, dst_addr = src.address(region), dst.address(region)
         for s in segments:

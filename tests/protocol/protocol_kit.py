@@ -351,7 +351,9 @@ def check_prefill_tells(before: dict[str, Any], room: PrefillRoom, event: Event,
         assert announcer in drained, f"rejected announcer {announcer} must be told drained at once ({room.last_row})"
     # a decode rank that aborts without being recorded is answered at once: nothing was written to it
     aborter = event.rank if isinstance(event, AbortReceived) and event.side == "decode" else None
-    answered = {aborter} if aborter is not None and aborter not in room.dests and new in ("Failed", "Success") else set()
+    answered = (
+        {aborter} if aborter is not None and aborter not in room.dests and new in ("Failed", "Success") else set()
+    )
     if new == "Failed" and not room.inflight and (old != "Failed" or before["inflight"]):
         # entered Failed with nothing in flight, or the last write in flight just concluded
         assert sorted(drained) == sorted(told | answered), (room.last_row, drained, told)

@@ -1,0 +1,86 @@
+"""kvfsm replay: checker traces drive the real runtime over loopback to the same states."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfsm.check import CheckConfig, explore
+from kvfsm.check.explore import _jsonable
+from kvfsm.check.model import Model
+from kvfsm.check.mutants import MUTANTS
+from kvfsm.check.replay import ReplayError, replay
+
+# The runtime's routing layer already prevents these two: its tombstones drop late messages for
+# cleared rooms before any machine sees them, and it remembers rooms whose early messages expired.
+RUNTIME_IMMUNE = {"late_message_resurrects", "early_expiry_forgotten"}
+
+
+def _write_trace(path: Path, cfg: CheckConfig, labels: list[list[object]], violation: str = "") -> Path:
+    with path.open("w") as f:
+        f.write(json.dumps({"config": asdict(cfg), "violation": violation}) + "\n")
+        for i, label in enumerate(labels, 1):
+            f.write(json.dumps({"step": i, "label": label}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(set(MUTANTS) - RUNTIME_IMMUNE))
+def test_every_mutant_trace_reproduces_on_the_runtime(name: str, tmp_path: Path) -> None:
+    m = MUTANTS[name]
+    cfg = replace(m.config, mutant=name)
+    r = explore(cfg)
+    v = next(v for v in r.violations if v["name"] == m.expect)
+    res = replay(_write_trace(tmp_path / "t.jsonl", cfg, v["trace"], m.expect))
+    assert res.divergences == [] and res.steps == len(v["trace"])
+    assert res.reproduced, res.observed
+
+
+def test_the_runtime_routing_layer_stops_the_two_routing_mutants(tmp_path: Path) -> None:
+    m = MUTANTS["late_message_resurrects"]
+    cfg = replace(m.config, mutant=m.name)
+    v = explore(cfg).violations[0]
+    res = replay(_write_trace(tmp_path / "t.jsonl", cfg, v["trace"], m.expect))
+    assert not res.reproduced and "runtime Cleared" in res.divergences[-1]  # the late message was dropped
+    with pytest.raises(ReplayError):
+        replay(_write_trace(tmp_path / "u.jsonl", replace(cfg, mutant="early_expiry_forgotten"), [], ""))
+
+
+def _random_walk(cfg: CheckConfig, seed: int, steps: int) -> list[list[object]]:
+    rng = random.Random(seed)
+    model = Model(cfg)
+    state = model.initial()
+    labels = []
+    for _ in range(steps):
+        succ = list(model.successors(state))
+        if not succ:
+            break
+        label, state, _ = succ[rng.randrange(len(succ))]
+        labels.append(_jsonable(label))
+    return labels
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    cfg=st.sampled_from([
+        CheckConfig(1, 1, 1, 2, loss=1, dup=1, crash=1, aborts=1),
+        CheckConfig(1, 1, 2, 1, loss=1, dup=1, aborts=1, ordered=False),
+        CheckConfig(2, 1, 1, 1, dup=1, crash=1, aborts=1),
+        CheckConfig(1, 2, 1, 2, loss=1, aborts=1),
+    ]),
+)  # fmt: skip
+def test_random_model_runs_replay_on_the_runtime_state_for_state(
+    seed: int, cfg: CheckConfig, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    labels = _random_walk(cfg, seed, 60)
+    path = _write_trace(tmp_path_factory.mktemp("walk") / "t.jsonl", cfg, labels)
+    res = replay(path)
+    assert res.divergences == [], res.divergences[:3]
+    assert res.steps == len(labels)
+    assert res.observed == []  # the correct protocol shows no violation on the runtime either
