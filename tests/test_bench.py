@@ -26,3 +26,14 @@ def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
     assert set(res["goals"]) == {"step_us_le_10", "churn_10k_within_1.5x_of_100", "bandwidth_16MiB_ge_0.8x_memcpy"}
     for rooms in res["rooms"].values():
         assert rooms["rooms_per_second"] > 0
+
+
+def test_check_bench_quick_run_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "check.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    (smoke,) = res["runs"]
+    assert smoke["complete"] and smoke["violations"] == [] and smoke["states_per_second"] > 0
+    assert smoke["bytes_per_state"] > 0 and res["transitions_steps_per_second"] > 0
