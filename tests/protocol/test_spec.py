@@ -126,8 +126,11 @@ def test_every_registered_guard_and_action_is_named_by_the_spec():
             guards |= {g.lstrip("!") for g in row.guards}
             actions |= {a.partition(":")[0] for a in row.actions}
         actions |= {a.partition(":")[0] for a in (*m.on_create, *m.error_actions)}
-    assert guards == set(GUARDS), "a guard is named by the spec but not registered, or registered and dead"
-    assert actions == set(ACTIONS), "an action is named by the spec but not registered, or registered and dead"
+    # kvfsm.check.mutants registers its bug variants under "mutant_" (used by mutated specs only)
+    live_guards = {g for g in GUARDS if not g.startswith("mutant_")}
+    live_actions = {a for a in ACTIONS if not a.startswith("mutant_")}
+    assert guards == live_guards, "a guard is named by the spec but not registered, or registered and dead"
+    assert actions == live_actions, "an action is named by the spec but not registered, or registered and dead"
 
 
 @pytest.mark.parametrize("name", MACHINE_NAMES)
