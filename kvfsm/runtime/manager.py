@@ -223,8 +223,8 @@ class Manager:
         """Fire due timers and expire bookkeeping. Call it regularly (poll() does)."""
         with self._lock:
             now = self.clock() if now is None else now
-            for rid, timer in self._timers.pop_due(now):
-                self._dispatch(rid, TimerFired(timer))
+            while (due := self._timers.pop_next_due(now)) is not None:
+                self._dispatch(due[0], TimerFired(due[1]))  # may cancel the room's other due timers
             while self._tomb_order and self._tomb_order[0][0] <= now:
                 _, rid = self._tomb_order.popleft()
                 entry = self._tombstones.get(rid)

@@ -59,6 +59,16 @@ class TimerWheel:
             heapq.heappop(self._heap)
         return None
 
+    def pop_next_due(self, now: float) -> tuple[int, str] | None:
+        """Disarm and return the earliest (room, timer) due at ``now``, or None. Pop one at a time
+        and step it before popping the next: stepping one may cancel another that is also due."""
+        while self._heap and self._heap[0][0] <= now:
+            _, seq, room, timer = heapq.heappop(self._heap)
+            if self._is_armed(room, timer, seq):
+                self.cancel(room, timer)
+                return room, timer
+        return None
+
     def pop_due(self, now: float) -> list[tuple[int, str]]:
         """Disarm and return every (room, timer) whose deadline is <= now, in deadline order."""
         due = []

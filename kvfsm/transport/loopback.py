@@ -118,7 +118,11 @@ class Fabric:
             for key in [k for k in self._queues if name in k]:
                 for item in self._queues.pop(key):
                     self._pending -= 1
-                    if item.job is not None and item.dst == name and item.src not in self._dead:
+                    if item.inbound.kind == "completion" and item.job is None and item.dst != name:
+                        # the fate of a survivor's write into the dead node: still owed to it
+                        self._enqueue(replace(item, hold=0))
+                        self.stats.sent -= 1  # re-queued, not sent again
+                    elif item.job is not None and item.dst == name and item.src not in self._dead:
                         # a write in flight into the dead node fails: its writer learns it
                         self._enqueue(
                             _Item(

@@ -38,3 +38,13 @@ def test_stale_entries_are_compacted() -> None:
     for i in range(5000):
         w.set(1, "t", float(i))  # one armed timer, thousands of re-arms
     assert len(w) == 1 and len(w._heap) <= 4 * 1024
+
+
+def test_stepping_one_due_timer_can_cancel_another_due_in_the_same_tick() -> None:
+    w = TimerWheel()
+    w.set(7, "bootstrap", 5.0)
+    w.set(7, "hold", 5.0)
+    first = w.pop_next_due(10.0)
+    assert first is not None
+    w.cancel_room(7)  # the step of the first timer failed the room: cancel_timers
+    assert w.pop_next_due(10.0) is None

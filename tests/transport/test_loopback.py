@@ -713,3 +713,17 @@ def test_concurrent_writers_into_disjoint_ranges_deliver_every_byte_notification
     s = fabric.stats
     assert (s.writes, s.segments, s.bytes_written) == (800, 800, len(dst))
     assert (s.sent, s.delivered) == (1600, 1600)
+
+
+def test_a_crash_keeps_the_completions_owed_to_survivors_for_writes_into_the_dead_node() -> None:
+    fab = Fabric(0)
+    a, b = fab.endpoint("a"), fab.endpoint("b")
+    got = []
+    a.set_handler(got.append)
+    b.set_handler(lambda item: None)
+    for ep in (a, b):
+        ep.register_memory(memoryview(bytearray(64)), memoryview(bytearray(8)))
+    a.write("b", "kv", [Segment(0, 0, 8)], b"n", tag="t1")  # data landed; completion queued for a
+    fab.crash("b")
+    fab.pump()
+    assert [(i.kind, i.tag) for i in got if i.kind == "completion"] == [("completion", "t1")]
