@@ -614,6 +614,8 @@ class Model:
         if cur == ("X",):
             if side == "P" and msg.TYPE == "room_pages":
                 self._tombstone_reply(b, rank, msg.room, src_rank)
+            elif side == "P" and msg.TYPE == "abort":
+                self._drained_reply(b, rank, msg.room, src_rank)
             return
         if cur is None or (isinstance(cur, tuple) and cur[0] == "E"):
             if side == "P":  # kept until the engine creates the room (runtime: early messages)
@@ -621,12 +623,19 @@ class Model:
                 b.slots[idx] = ("E", (*stash, ev))
             return  # decode: a message for a room it never created is dropped
         if cur[0] == "Cleared":
+            if side == "P" and msg.TYPE == "abort":
+                self._drained_reply(b, rank, msg.room, src_rank)  # runtime: nothing is outstanding
             if side == "P" and msg.TYPE == "room_pages" and cur[1]:
                 # tombstone of a failed room: tell the announcer at once (runtime behaviour)
                 self._tombstone_reply(b, rank, msg.room, src_rank)
             self._apply(b, idx, ev)  # the machine must ignore it (no resurrection)
             return
         self._apply(b, idx, ev)
+
+    def _drained_reply(self, b: _Builder, p: int, room: int, d: int) -> None:
+        from kvfsm.protocol.wire import Drained
+
+        self._enqueue(b, ("m", self.node("P", p), self.node("D", d), _msg_tuple(Drained(room, p))))
 
     def _tombstone_reply(self, b: _Builder, p: int, room: int, d: int) -> None:
         hook: Callable[..., None] | None = getattr(self, "_tombstone_hook", None)

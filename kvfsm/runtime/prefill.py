@@ -138,7 +138,11 @@ class PrefillManager(Manager):
         tomb = self._tombstones.get(rid)
         if tomb is not None:
             self._count_drop("late_for_cleared_room", f"{msg.TYPE} for cleared room {rid}")
-            if tomb[0] in ("Failed", "Expired") and isinstance(msg, RoomPages):
+            if isinstance(msg, AbortNotice):
+                # a cleared (or never created) room has no write outstanding: the aborting decode
+                # rank may release its pages now instead of at its fence timer
+                self._send(msg.rank, Drained(rid, self.rank))
+            elif tomb[0] in ("Failed", "Expired") and isinstance(msg, RoomPages):
                 # The decode still holds pages for a room that failed here: tell it now.
                 reason = self._failures.get(rid) or "room failed on prefill"
                 self._send(msg.decode_rank, RoomFailed(rid, self.rank, reason))
