@@ -615,14 +615,8 @@ class KVMachine(RuleBasedStateMachine):
         else:
             self._advance_to(max(deadline, self.now) + 0.001)
 
-    @precondition(lambda self: self.c is not None and self.budget["crash"] > 0 and bool(self.posted))
-    @rule(side=st.sampled_from(["P", "D"]), rank=st.integers(0, 1))
-    @_step
-    def crash(self, side: str, rank: int) -> None:
-        """A rank dies once writes were posted: its engine stops, its queued items vanish (what a
-        survivor is owed stays), its peers get peer_lost."""
+    def _crash(self, side: str, rank: int) -> None:
         assert self.c is not None
-        rank %= self.PREFILL if side == "P" else self.DECODE
         self.budget["crash"] -= 1
         self._track()
         name = f"{'prefill' if side == 'P' else 'decode'}/{rank}"
@@ -630,6 +624,32 @@ class KVMachine(RuleBasedStateMachine):
         self.c.fabric.crash(name)
         self.crashed.add((side, rank))
         event(f"crash {side}" + (" owing completions" if owed else ""))
+
+    @precondition(lambda self: self.c is not None and self.budget["crash"] > 0 and bool(self.posted))
+    @rule(side=st.sampled_from(["P", "D"]), rank=st.integers(0, 1))
+    @_step
+    def crash(self, side: str, rank: int) -> None:
+        """A rank dies once writes were posted: its engine stops, its queued items vanish (what a
+        survivor is owed stays), its peers get peer_lost."""
+        self._crash(side, rank % (self.PREFILL if side == "P" else self.DECODE))
+
+    def _owing(self) -> list[int]:
+        """Decode ranks that owe a prefill rank the completion of a write that landed."""
+        if self.c is None or not self.budget["crash"]:
+            return []
+        queued = self.c.fabric.queued()
+        return [
+            d
+            for d in range(self.DECODE)
+            if self.alive("D", d) and any(it.src == f"decode/{d}" and it.inbound.kind == "completion" for it in queued)
+        ]
+
+    @precondition(lambda self: bool(self._owing()))
+    @rule(data=st.data())
+    @_step
+    def crash_decode_owing_completions(self, data: st.DataObject) -> None:
+        """A decode rank dies between a write landing and its completion reaching the writer."""
+        self._crash("D", data.draw(st.sampled_from(self._owing()), label="decode rank"))
 
     # ------------------------------------------------------------------ invariants
 
