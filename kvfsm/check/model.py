@@ -32,10 +32,11 @@ Successors come with notes: ``!name`` for a violated ``always`` property, ``~nam
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvfsm.check.properties import edge_notes, landing_notes
 from kvfsm.protocol import (
     AUX_WRITE,
     LocalProtocolError,
@@ -220,6 +221,9 @@ class Model:
         self.slot_info += [("D", r, d) for r in range(R) for d in range(D)]
         self.slot_index = {info: i for i, info in enumerate(self.slot_info)}
         self._cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        # (side, state) pairs where some row accepts clear (its guards may still refuse it)
+        self._clearable = {("P", st) for st in self.pm.spec.states if self.pm.accepts(st, "clear")}
+        self._clearable |= {("D", st) for st in self.dm.spec.states if self.dm.accepts(st, "clear")}
         self._polls: dict[tuple[str, str], int] = {}
         for side, m in (("P", self.pm), ("D", self.dm)):
             for name, st in m.spec.states.items():
@@ -329,8 +333,6 @@ class Model:
         self, b: _Builder, idx: int, side: str, room: int, rank: int, before: Any, new: Any,
         outputs: tuple[Item, ...], row: str, event: Any,
     ) -> None:  # fmt: skip
-        from kvfsm.check.properties import edge_notes
-
         edge_notes(self, b, idx, side, room, rank, before, new, outputs, row, event)
 
     # ------------------------------------------------------------------ successors
@@ -439,15 +441,6 @@ class Model:
                     b.budgets[2] -= 1
                     self._crash(b, name)
                     yield emit(("crash", side, rank), b)
-
-    @property
-    def _clearable(self) -> set[tuple[str, str]]:
-        cached: set[tuple[str, str]] | None = getattr(self, "_clearable_cache", None)
-        if cached is None:
-            cached = {("P", s) for s in self.pm.spec.states if self.pm.accepts(s, "clear")}
-            cached |= {("D", s) for s in self.dm.spec.states if self.dm.accepts(s, "clear")}
-            self._clearable_cache = cached
-        return cached
 
     def _may_create(self, slots: tuple[Any, ...], side: str, room: int, rank: int) -> bool:
         order = self.cfg.order
@@ -638,18 +631,12 @@ class Model:
         self._enqueue(b, ("m", self.node("P", p), self.node("D", d), _msg_tuple(Drained(room, p))))
 
     def _tombstone_reply(self, b: _Builder, p: int, room: int, d: int) -> None:
-        hook: Callable[..., None] | None = getattr(self, "_tombstone_hook", None)
-        if hook is not None:
-            hook(b, p, room, d)
-            return
         from kvfsm.protocol.wire import Drained, RoomFailed
 
         for msg in (RoomFailed(room, p, ""), Drained(room, p)):
             self._enqueue(b, ("m", self.node("P", p), self.node("D", d), _msg_tuple(msg)))
 
     def _land(self, b: _Builder, item: Item) -> None:
-        from kvfsm.check.properties import landing_notes
-
         _, src, dst, room, chunk_id, note = item
         p = int(src[1:])
         d = int(dst[1:])
