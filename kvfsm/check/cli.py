@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list-mutants", action="store_true")
     p.add_argument("--reduction", choices=["independent", "none"], default="independent",
                    help="independent: explore each class of independent rooms/rank groups once (default)")  # fmt: skip
+    p.add_argument("--symmetry", action=argparse.BooleanOptionalAction, default=True,
+                   help="store one state per orbit of interchangeable rooms and rank groups (default: on)")  # fmt: skip
     p.add_argument("--max-states", type=int)
     p.add_argument("--all", action="store_true", help="keep exploring after the first violation")
     p.add_argument("--no-cycles", action="store_true", help="skip the no-progress-cycle check")
@@ -122,6 +124,8 @@ def _print_result(res: CheckResult, cfg: CheckConfig, parts: list[Any]) -> None:
         ):
             print(f"  component {sub.prefill_ranks} P x {sub.decode_ranks} D x 1 room (x{copies} independent copies): "
                   f"{r.distinct_states:,} states")  # fmt: skip
+    if res.symmetries > 1:
+        print(f"  symmetry reduction: one state per orbit of {res.symmetries} renamings of rooms and ranks")
     print(f"  {res.distinct_states:,} distinct states, {res.edges:,} edges, depth {res.max_depth}, "
           f"{res.seconds:.2f} s, {res.states_per_second:,.0f} states/s, complete: {res.complete}")  # fmt: skip
     print("  sometimes: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in sorted(res.witnessed.items())))
@@ -144,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = config_from(args)
     kwargs = dict(
         max_states=args.max_states, stop_at_first=not args.all, cycles=not args.no_cycles,
-        progress=print_progress if args.progress else None,
+        progress=print_progress if args.progress else None, symmetry=args.symmetry,
     )  # fmt: skip
     if args.reduction == "independent":
         res, parts = explore_reduced(cfg, **kwargs)
@@ -175,6 +179,7 @@ def main(args: argparse.Namespace) -> int:
             for s, n, r in parts
         ]
         out["reduction"] = args.reduction
+        out["symmetry"] = args.symmetry
         print(json.dumps(out))
     else:
         _print_result(res, cfg, parts)

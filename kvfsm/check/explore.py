@@ -1,10 +1,13 @@
 """Breadth-first exploration of the model: shortest counterexamples, statistics, liveness.
 
 States are deduplicated by their 64-bit hash (a fingerprint; a collision could hide a state, the
-usual trade of explicit-state checkers). For each new state the explorer keeps its parent's
-fingerprint, the transition label and its depth, which is enough to rebuild the shortest trace to
-any state. Edges are recorded as integer ids in discovery order (compressed sparse rows for free),
-and a topological sort over them proves the graph acyclic (liveness.no_progress_cycle).
+usual trade of explicit-state checkers). For each new state the explorer keeps only its parent's
+id (8 bytes); a trace is rebuilt on demand by replaying the model along the fingerprints of the
+path (``_trace``), which also turns a path through symmetry-reduced representatives into a
+concrete trace. Edges are recorded as integer ids in discovery order (compressed sparse rows for free),
+and a topological sort over them proves the graph acyclic (liveness.no_progress_cycle). Only
+edges that spend no fault budget and land no write are recorded: budgets only shrink and the
+landed set only grows along every path, so no other edge can close a cycle.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class CheckResult:
     witnessed: dict[str, bool] = field(default_factory=dict)
     peak_rss_bytes: int = 0
     step_cache_entries: int = 0
+    symmetries: int = 1  # size of the symmetry group the exploration was reduced by (1: none)
 
     @property
     def states_per_second(self) -> float:
@@ -58,6 +62,7 @@ class CheckResult:
             "sometimes": self.witnessed,
             "peak_rss_bytes": self.peak_rss_bytes,
             "step_cache_entries": self.step_cache_entries,
+            "symmetries": self.symmetries,
             "ok": self.ok,
         }
 
@@ -69,83 +74,96 @@ def explore(
     stop_at_first: bool = True,
     cycles: bool = True,
     progress: Callable[[int, int, int], None] | None = None,
+    symmetry: bool = True,
+    memo: bool = True,
 ) -> CheckResult:
-    """Explore every state reachable from the initial one (or ``max_states`` of them)."""
+    """Explore every state reachable from the initial one (or ``max_states`` of them).
+
+    ``symmetry``: store one representative per orbit of the model's symmetries (interchangeable
+    rooms and rank groups, ``Model.symmetries``); ``memo=False``: recompute every effect (baseline).
+    """
     props = load_properties()
-    model = Model(cfg)
+    model = Model(cfg, memo=memo)
     res = CheckResult(cfg, witnessed={name: False for name in props["sometimes"]})
     t0 = time.perf_counter()
+    canon = model.canonical if symmetry and model.symmetries() else None
+    res.symmetries = 1 + len(model.symmetries()) if canon else 1
     init = model.initial()
-    init_fp = hash(init)
-    # fp -> (id, parent fp, label, depth)
-    seen: dict[int, tuple[int, int | None, Label | None, int]] = {init_fp: (0, None, None, 0)}
-    queue: deque[tuple[State, int]] = deque([(init, init_fp)])
+    if canon is not None:
+        init = canon(init)
+    seen: dict[int, int] = {hash(init): 0}  # fingerprint -> state id (ids in discovery order)
+    parent = array("q", [-1])  # state id -> parent id: enough to rebuild the shortest trace
+    queue: deque[State] = deque([init])
     dst = array("q")  # edge targets, grouped by source id (sources are expanded in id order)
     offsets = array("q", [0])
+    found: list[tuple[str, int, bool, str]] = []  # (property, state id, on an edge from it, detail)
     violated: set[str] = set()
-
-    def trace_to(fp: int) -> list[Label]:
-        labels: list[Label] = []
-        cur: int | None = fp
-        while cur is not None:
-            _, parent, label, _ = seen[cur]
-            if label is not None:
-                labels.append(label)
-            cur = parent
-        return labels[::-1]
-
-    def record(name: str, fp: int, last: Label | None, detail: str = "") -> None:
-        if name in violated:
-            return
-        violated.add(name)
-        trace = trace_to(fp) + ([last] if last is not None else [])
-        res.violations.append({"name": name, "trace": [_label_json(x) for x in trace], "detail": detail})
-
+    successors = model.successors
+    witnessed = res.witnessed
+    seen_get, add_parent, enqueue, add_edge = seen.get, parent.append, queue.append, dst.append
+    expanded, level_end, depth, edges = 0, 1, 0, 0
     stopped = False
     while queue and not stopped:
-        state, fp = queue.popleft()
-        depth = seen[fp][3]
-        n_succ = 0
-        for label, nxt, notes in model.successors(state):
-            n_succ += 1
-            res.edges += 1
-            nfp = hash(nxt)
-            entry = seen.get(nfp)
-            if entry is None:
-                entry = (len(seen), fp, label, depth + 1)
-                seen[nfp] = entry
-                queue.append((nxt, nfp))
-                if depth + 1 > res.max_depth:
-                    res.max_depth = depth + 1
-            if cycles:
-                dst.append(entry[0])
-            for note in notes:
-                if note[0] == "!":
-                    record(note[1:], fp, label)
-                else:
-                    res.witnessed[note[1:]] = True
-            if res.violations and stop_at_first:
-                stopped = True
-                break
+        state = queue.popleft()
+        sid = expanded
+        expanded += 1
+        if sid == level_end:  # breadth first: ids of one depth are contiguous
+            depth += 1
+            level_end = len(seen)
+        succs = successors(state)
+        edges += len(succs)
+        before = len(seen)
+        budget, landed = state[1], state[2].bit_count()
+        for _label, nxt, notes in succs:
+            if canon is not None:
+                nxt = canon(nxt)
+            fp = hash(nxt)
+            target = seen_get(fp)
+            if target is None:
+                seen[fp] = target = len(seen)
+                add_parent(sid)
+                enqueue(nxt)
+            # budgets never grow and landed writes never unland: only an edge that keeps both can
+            # lie on a cycle, so only those are kept for the cycle check
+            if cycles and nxt[1] == budget and nxt[2].bit_count() == landed:
+                add_edge(target)
+            if notes:
+                for note in notes:
+                    if note[0] == "~":
+                        witnessed[note[1:]] = True
+                    elif note[1:] not in violated:
+                        violated.add(note[1:])
+                        found.append((note[1:], sid, True, ""))
+                if found and stop_at_first:
+                    stopped = True
+                    break
+        if len(seen) > before and depth + 1 > res.max_depth:
+            res.max_depth = depth + 1
         if cycles:
             offsets.append(len(dst))
-        if n_succ == 0:
+        if not succs:
             stuck = stuck_rooms(model, state)
-            if stuck:
-                record("no_stuck_room", fp, None, "; ".join(stuck))
+            if stuck and "no_stuck_room" not in violated:
+                violated.add("no_stuck_room")
+                found.append(("no_stuck_room", sid, False, "; ".join(stuck)))
                 stopped = stop_at_first
-        if progress is not None and len(seen) % 20000 < n_succ + 1:
-            progress(len(seen), res.edges, depth)
+        if progress is not None and len(seen) % 20000 < len(succs) + 1:
+            progress(len(seen), edges, depth)
         if max_states is not None and len(seen) >= max_states:
             break
     res.complete = not queue and not stopped
     res.distinct_states = len(seen)
+    res.edges = edges
+    if res.complete and cycles:
+        cycle_at = _find_cycle(offsets, dst)
+        if cycle_at is not None:
+            found.append(("no_progress_cycle", cycle_at, False, "a state on a cycle"))
+    if found:
+        fp_of = {sid: fp for fp, sid in seen.items()}
+        for name, sid, on_edge, detail in found:
+            trace = _trace(model, canon, parent, fp_of, sid, f"!{name}" if on_edge else None)
+            res.violations.append({"name": name, "trace": trace, "detail": detail})
     if res.complete:
-        if cycles:
-            cycle_at = _find_cycle(offsets, dst)
-            if cycle_at is not None:
-                fp_by_id = {v[0]: k for k, v in seen.items()}
-                record("no_progress_cycle", fp_by_id[cycle_at], None, "a state on a cycle")
         for name, hit in res.witnessed.items():
             if not hit:
                 res.violations.append({"name": f"sometimes.{name}", "trace": [], "detail": "never witnessed"})
@@ -153,6 +171,32 @@ def explore(
     res.step_cache_entries = len(model._cache)
     res.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return res
+
+
+def _trace(
+    model: Model, canon: Callable[[State], State] | None, parent: array[int], fp_of: dict[int, int], sid: int,
+    note: str | None,
+) -> list[list[Any]]:  # fmt: skip
+    """The shortest trace to state ``sid`` (then the first edge from it with ``note``), rebuilt by
+    replaying the model from the initial state: at each step, the first successor whose
+    (canonical) fingerprint is the next one on the path. With symmetry reduction the stored
+    states are orbit representatives; the replay yields a concrete trace through the orbits."""
+    path: list[int] = []
+    cur = sid
+    while cur > 0:
+        path.append(fp_of[cur])
+        cur = parent[cur]
+    state = model.initial()
+    labels: list[Label] = []
+    for fp in reversed(path):
+        for label, nxt, _ in model.successors(state):
+            if hash(canon(nxt) if canon is not None else nxt) == fp:
+                labels.append(label)
+                state = nxt
+                break
+    if note is not None:
+        labels.append(next(label for label, _, notes in model.successors(state) if note in notes))
+    return [_label_json(x) for x in labels]
 
 
 def _find_cycle(offsets: array[int], dst: array[int]) -> int | None:
@@ -251,6 +295,7 @@ def explore_reduced(cfg: CheckConfig, **kwargs: Any) -> tuple[CheckResult, list[
         total.complete &= r.complete
         total.peak_rss_bytes = max(total.peak_rss_bytes, r.peak_rss_bytes)
         total.step_cache_entries += r.step_cache_entries
+        total.symmetries = max(total.symmetries, r.symmetries)
         for v in r.violations:
             total.violations.append(
                 {**v, "component": {"prefill_ranks": sub.prefill_ranks, "decode_ranks": sub.decode_ranks, "rooms": 1}}

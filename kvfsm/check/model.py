@@ -3,37 +3,51 @@
 Theory of operation
 -------------------
 One system state composes every room machine of every rank on both sides, the engines that
-drive them, the runtime's routing, and the network, as one hashable tuple:
+drive them, the runtime's routing, and the network. It is a flat tuple of small ints:
 
-    (slots, fifo, bag, landed, budgets, crashed)
+    (control, budgets, landed, queue of each FIFO pair..., bag)
 
-* ``slots``: one per (room, side, rank): ``None`` (the engine has not created it), ``("E", events)``
-  (prefill: messages that arrived before the engine created the room, kept as the runtime keeps
-  them), or the room's frozen fields (``freeze``), whose first element is its machine state.
-* ``fifo``: per (sender, receiver) FIFO queues of control messages (``ordered=True``; else they
-  live in the bag). ``bag``: a multiset of everything unordered: notifications, writes in flight
-  (data not yet landed), completions, peer-loss notices.
-* ``landed``: which (room, source, chunk, destination) writes have landed (ghost state for the
-  invariants). ``budgets``: faults and engine aborts still allowed. ``crashed``: dead nodes.
+* ``control``: an interned id of (slots, crashed nodes, lost peers). ``slots`` has one entry per
+  (room, side, rank): ``None`` (the engine has not created it), ``("E", events)`` (prefill:
+  messages that arrived before the engine created the room, kept as the runtime keeps them),
+  ``("X",)`` (their expiry tombstone), or the room's frozen fields (``freeze``), whose first
+  element is its machine state. ``lost`` holds (node, dead peer) once the node got the notice.
+* ``budgets``: faults and engine aborts still allowed (loss, dup, crash, aborts) in one mixed-radix int.
+* ``landed``: bit mask of the (room, source, chunk, destination) writes that have landed (ghost
+  state for the invariants).
+* one interned item sequence per (sender, receiver) pair of control messages (``ordered=True``;
+  else they live in the bag), and the bag: the sorted multiset of everything unordered
+  (notifications, writes in flight whose data has not landed, completions, peer-loss notices).
+  Items are interned too; a sequence is a tuple of item ids.
 
-Rooms are stepped with the *same* compiled protocol the runtime runs (``RoomMachine.step``);
-each (frozen room, event) result is memoised, so a step in the inner loop is a dict lookup.
-Every action the runtime can take is a model action: engine calls (create, send a chunk, init,
-abort, clear), message delivery, loss and duplication (bounded), crash (bounded), and every armed
-timer firing (nondeterministically, at any time: a timeout may race anything).
+Rooms are stepped with the *same* compiled protocol the runtime runs (``RoomMachine.step``),
+memoised per (frozen room, event). Every action the runtime can take is a model action: engine
+calls (create, send a chunk, init, abort, clear), message delivery, loss and duplication
+(bounded), crash (bounded), and every armed timer firing (nondeterministically, at any time: a
+timeout may race anything).
+
+How a step is fast: what an action does depends on the control part only (the network is the
+source of the item it consumes, and a sink), so the slow path computes an **effect** once per
+(control, action) from the readable code below: the next control id, the budget it spends, the
+network deltas (take this item, put those) as interned ids, a landing and landed-set checks for
+the ghost invariants, and notes. A successor is then the state with its control replaced and a
+few (sequence, delta) -> sequence look-ups. ``Model(cfg, memo=False)`` recomputes every effect
+and delta instead (a test checks both explore the same graph; the benchmark uses it as baseline).
 
 Timing assumption: the decode ``fence`` timer (release pages without every source's drain
 confirmation) fires only when no write to that room's pages is in flight and every source room
 has concluded or crashed — the real timeout is chosen longer than any source's own timers.
 
 Successors come with notes: ``!name`` for a violated ``always`` property, ``~name`` for a
-``sometimes`` property that the transition witnesses.
+``sometimes`` property that the transition witnesses. ``symmetries`` lists the renamings of
+rooms and ranks under which the model is invariant (see ``explore``'s symmetry reduction).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import astuple, dataclass, field, fields
+from itertools import permutations
+from math import prod
 from typing import Any
 
 from kvfsm.check.properties import edge_notes, landing_notes
@@ -68,8 +82,12 @@ from kvfsm.protocol.wire import MESSAGE_CLASSES, Message
 
 FAILED, SUCCESS = 0, 4
 Item = tuple[Any, ...]
-State = tuple[Any, ...]
+State = tuple[int, ...]
 Label = tuple[Any, ...]
+Ctrl = tuple[tuple[Any, ...], tuple[str, ...], tuple[tuple[str, str], ...]]  # slots, crashed, lost
+# (label, control', budget index or -1, its unit, network deltas, notes, None or the rare parts:
+#  (fence condition, landing, landed checks, ops applied item by item))
+Effect = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -178,36 +196,45 @@ def _msg(t: tuple[Any, ...]) -> Message:
 
 @dataclass
 class _Builder:
-    """A mutable copy of a state while one successor is computed."""
+    """One successor's effect while it is computed from the control part of a state.
+
+    ``slots``, ``crashed`` and ``lost`` are copies that the action mutates; the network is not
+    read (except by the fence timer's condition, see ``_fence_may_fire``) but written through
+    ``ops``: ``("take", item)`` first, then ``("put", item)`` in order, or ``("crash", node)``.
+    The ghost set of landed writes is read through deferred checks (``land``, ``require_landed``),
+    evaluated against the state the effect is applied to.
+    """
 
     slots: list[Any]
-    fifo: dict[tuple[str, str], list[Item]]
-    bag: list[Item]
-    landed: set[tuple[int, int, int, int]]
-    budgets: list[int]
     crashed: set[str]
     lost: set[tuple[str, str]]  # (node, dead peer) once the node received the peer-loss notice
+    ops: list[tuple[str, Any]] = field(default_factory=list)
+    budget: int = -1  # index of the fault budget this action spends (LOSS, DUP, CRASH, ABORTS)
+    landing: tuple[tuple[int, int, int, int], str] | None = None
+    required: list[tuple[tuple[int, int, int, int], str]] = field(default_factory=list)
     notes: set[str] = field(default_factory=set)
 
-    def freeze(self) -> State:
-        return (
-            tuple(self.slots),
-            tuple(sorted((k, tuple(q)) for k, q in self.fifo.items() if q)),
-            tuple(sorted(self.bag)),
-            tuple(sorted(self.landed)),
-            tuple(self.budgets),
-            tuple(sorted(self.crashed)),
-            tuple(sorted(self.lost)),
-        )
+    def land(self, key: tuple[int, int, int, int], note_if_landed: str) -> None:
+        """The write ``key`` (room, source, chunk, destination) lands; ``note_if_landed`` if it already had."""
+        self.landing = (key, note_if_landed)
+
+    def require_landed(self, key: tuple[int, int, int, int], note_if_missing: str) -> None:
+        self.required.append((key, note_if_missing))
+
+
+LOSS, DUP, CRASH, ABORTS = range(4)
+EMPTY_QUEUE, EMPTY_BAG = 0, 1  # ids of the empty sequences
+NO_NOTES: tuple[str, ...] = ()
 
 
 class Model:
     """Successor function of the composed system (see the module docstring)."""
 
-    def __init__(self, cfg: CheckConfig, protocol: Protocol | None = None) -> None:
+    def __init__(self, cfg: CheckConfig, protocol: Protocol | None = None, *, memo: bool = True) -> None:
         from kvfsm.check.mutants import mutated_protocol
 
         self.cfg = cfg
+        self.memo = memo
         self.protocol = protocol or mutated_protocol(cfg.mutant)
         self.pm: RoomMachine = self.protocol.prefill
         self.dm: RoomMachine = self.protocol.decode
@@ -220,7 +247,7 @@ class Model:
         self.slot_info: list[tuple[str, int, int]] = [("P", r, p) for r in range(R) for p in range(P)]
         self.slot_info += [("D", r, d) for r in range(R) for d in range(D)]
         self.slot_index = {info: i for i, info in enumerate(self.slot_info)}
-        self._cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._cache: dict[tuple[Any, ...], Any] = {}
         # (side, state) pairs where some row accepts clear (its guards may still refuse it)
         self._clearable = {("P", st) for st in self.pm.spec.states if self.pm.accepts(st, "clear")}
         self._clearable |= {("D", st) for st in self.dm.spec.states if self.dm.accepts(st, "clear")}
@@ -230,6 +257,45 @@ class Model:
                 if st.kvpoll is not None:
                     self._polls[(side, name)] = self.protocol.spec.kvpoll[st.kvpoll]
         self.cache_misses = 0
+        # --- the flat state: (control, budgets, landed, queue per FIFO pair..., bag)
+        pairs = {(self.node("P", p), self.node("D", d)) for p in range(P) for d in self.dests[p]}
+        pairs |= {(b, a) for a, b in pairs}
+        self.pairs = sorted(pairs) if cfg.ordered else []  # the order control messages are delivered in
+        self.pair_pos = {pair: 3 + i for i, pair in enumerate(self.pairs)}
+        self.bag_pos = 3 + len(self.pairs)
+        self._ctrls: list[Ctrl] = []
+        self._ctrl_ids: dict[Ctrl, int] = {}
+        self._items: list[Item] = []
+        self._item_ids: dict[Item, int] = {}
+        self._seqs: list[tuple[int, ...]] = []
+        self._seq_ids: dict[tuple[bool, tuple[int, ...]], int] = {}  # queues and bags apart
+        self._touched: list[frozenset[tuple[str, int]]] = []  # per sequence: (node, room) with data in flight
+        self._heads: list[tuple[int, ...]] = []  # per sequence: items that may be delivered next
+        self._seq((), False)  # EMPTY_QUEUE
+        self._seq((), True)  # EMPTY_BAG
+        self._deltas: list[tuple[Any, ...]] = []
+        self._delta_ids: dict[tuple[Any, ...], int] = {}
+        self._net_memo: list[dict[int, int]] = []  # per delta: sequence id -> sequence id
+        self._slow_ops: list[tuple[tuple[str, Any], ...]] = []  # interned ops that crash a node
+        self._slow_ids: dict[tuple[tuple[str, Any], ...], int] = {}
+        self._slow_memo: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+        self._engine: dict[int, tuple[Effect, ...]] = {}
+        self._per_item: dict[int, dict[int, tuple[Effect, ...]]] = {}  # control -> item -> effects
+        self._crashes: dict[int, tuple[Effect, ...]] = {}
+        self._bits = {
+            (r, p, c, d): 1 << i
+            for i, (r, p, c, d) in enumerate(
+                (r, p, c, d) for r in range(R) for p in range(P) for c in range(-1, C) for d in range(D)
+            )
+        }
+        limits = (cfg.loss, cfg.dup, cfg.crash, cfg.aborts)
+        self._units = tuple(prod(x + 1 for x in limits[:i]) for i in range(4))
+        self._budget_left = [
+            tuple(code // u % (x + 1) > 0 for u, x in zip(self._units, limits, strict=True))
+            for code in range(prod(x + 1 for x in limits))
+        ]
+        self._full_budget = sum(u * x for u, x in zip(self._units, limits, strict=True))
+        self._symmetries: list[_Renaming] | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -246,10 +312,73 @@ class Model:
         return self._polls.get((side, frozen[0]))
 
     def initial(self) -> State:
-        c = self.cfg
-        return _Builder(
-            [None] * len(self.slot_info), {}, [], set(), [c.loss, c.dup, c.crash, c.aborts], set(), set()
-        ).freeze()
+        ctrl = self._ctrl(((None,) * len(self.slot_info), (), ()))
+        return (ctrl, self._full_budget, 0, *[EMPTY_QUEUE] * len(self.pairs), EMPTY_BAG)
+
+    def slots(self, state: State) -> tuple[Any, ...]:
+        """The frozen room of every slot (see ``slot_info``)."""
+        return self._ctrls[state[0]][0]
+
+    def crashed(self, state: State) -> tuple[str, ...]:
+        return self._ctrls[state[0]][1]
+
+    def budgets(self, state: State) -> tuple[int, ...]:
+        """Faults and engine aborts left: (loss, dup, crash, aborts)."""
+        limits = (self.cfg.loss, self.cfg.dup, self.cfg.crash, self.cfg.aborts)
+        return tuple(state[1] // u % (x + 1) for u, x in zip(self._units, limits, strict=True))
+
+    def network(self, state: State) -> tuple[dict[tuple[str, str], list[Item]], list[Item]]:
+        """The FIFO queues (by (sender, receiver)) and the bag of unordered items, as items."""
+        fifo = {pair: [self._items[i] for i in self._seqs[state[pos]]] for pair, pos in self.pair_pos.items()}
+        return fifo, [self._items[i] for i in self._seqs[state[self.bag_pos]]]
+
+    # ------------------------------------------------------------------ interning
+
+    def _ctrl(self, ctrl: Ctrl) -> int:
+        cid = self._ctrl_ids.get(ctrl)
+        if cid is None:
+            cid = self._ctrl_ids[ctrl] = len(self._ctrls)
+            self._ctrls.append(ctrl)
+        return cid
+
+    def _item(self, item: Item) -> int:
+        iid = self._item_ids.get(item)
+        if iid is None:
+            iid = self._item_ids[item] = len(self._items)
+            self._items.append(item)
+        return iid
+
+    def _seq(self, seq: tuple[int, ...], is_bag: bool) -> int:
+        sid = self._seq_ids.get((is_bag, seq))
+        if sid is None:
+            sid = self._seq_ids[(is_bag, seq)] = len(self._seqs)
+            self._seqs.append(seq)
+            items = [self._items[i] for i in seq]
+            # (node, room) pairs with a write or message in flight (the fence timer waits for them)
+            self._touched.append(
+                frozenset((n, self._item_room(it)) for it in items if it[0] in ("w", "m") for n in it[1:3])
+            )
+            # a queue's head; a bag's distinct items, in the order deliveries are tried
+            self._heads.append(tuple(self._item_ids[it] for it in sorted(set(items))) if is_bag else seq[:1])
+        return sid
+
+    def _delta(self, delta: tuple[Any, ...]) -> int:
+        did = self._delta_ids.get(delta)
+        if did is None:
+            did = self._delta_ids[delta] = len(self._deltas)
+            self._deltas.append(delta)
+            self._net_memo.append({})
+        return did
+
+    def _apply_delta(self, sid: int, did: int) -> int:
+        kind, take, put = self._deltas[did]
+        seq = self._seqs[sid]
+        if kind == "fifo":
+            return self._seq(seq[take:] + put, False)
+        rest = list(seq)
+        for iid in take:
+            rest.remove(iid)
+        return self._seq(tuple(sorted(rest + list(put))), True)
 
     # ------------------------------------------------------------------ stepping one room
 
@@ -258,7 +387,7 @@ class Model:
         key = (side, room, rank, frozen, event)
         hit = self._cache.get(key)
         if hit is not None:
-            return hit
+            return hit  # type: ignore[no-any-return]
         self.cache_misses += 1
         if side == "P":
             obj: Any = thaw_prefill(frozen, room, rank, self.kv_pages, self.aux_slots)
@@ -312,7 +441,7 @@ class Model:
                 unroutable.append(item)  # runtime: no route to a peer known dead; the job fails at once
             else:
                 self._enqueue(b, item)
-        self._edge_notes(b, idx, side, room, rank, before, new, outputs, row, event)
+        edge_notes(self, b, idx, side, room, rank, before, new, outputs, row, event)
         for item in unroutable:
             self._apply(b, idx, WriteFailed(int(item[2][1:]), item[4], ""))
 
@@ -322,125 +451,312 @@ class Model:
             if item[0] == "w":  # a write into a dead node fails at once
                 self._enqueue(b, ("c", item[1], item[3], int(dst[1:]), item[4], False))
             return  # anything else to a dead node is lost with it
-        if item[0] == "m" and self.cfg.ordered:
-            b.fifo.setdefault((item[1], item[2]), []).append(item)
-        else:
-            b.bag.append(item)
-
-    # ------------------------------------------------------------------ properties on edges
-
-    def _edge_notes(
-        self, b: _Builder, idx: int, side: str, room: int, rank: int, before: Any, new: Any,
-        outputs: tuple[Item, ...], row: str, event: Any,
-    ) -> None:  # fmt: skip
-        edge_notes(self, b, idx, side, room, rank, before, new, outputs, row, event)
+        b.ops.append(("put", item))
 
     # ------------------------------------------------------------------ successors
 
-    def successors(self, state: State) -> Iterator[tuple[Label, State, frozenset[str]]]:
-        slots, fifo, bag, landed, budgets, crashed, lost = state
+    def successors(self, state: State) -> list[tuple[Label, State, tuple[str, ...]]]:
+        """Every transition from ``state``: (label, next state, notes), in a fixed order.
+
+        The fast path: the effects of the state's control part (memoised), applied with a few
+        table look-ups per successor."""
+        ctrl = state[0]
+        memo = self.memo
+        groups = [(self._engine.get(ctrl) if memo else None) or self._engine_effects(ctrl)]
+        per_item = self._per_item.get(ctrl)
+        if per_item is None:
+            per_item = self._per_item[ctrl] = {}
+        heads = self._heads
+        for pos in range(3, len(state)):
+            for iid in heads[state[pos]]:
+                groups.append((per_item.get(iid) if memo else None) or self._item_effects(ctrl, iid))
+        left = self._budget_left[state[1]]
+        if left[CRASH]:
+            groups.append((self._crashes.get(ctrl) if memo else None) or self._crash_effects(ctrl))
+        out: list[tuple[Label, State, tuple[str, ...]]] = []
+        for effects in groups:
+            for label, nctrl, budget, cost, net, notes, rare in effects:
+                if budget >= 0 and not left[budget]:
+                    continue
+                nxt = list(state)
+                nxt[0] = nctrl
+                nxt[1] -= cost
+                if rare is not None:
+                    notes = self._rare(state, nxt, rare, notes)
+                    if notes is None:
+                        continue
+                for pos, did, table in net:
+                    sid = table.get(nxt[pos]) if memo else None
+                    if sid is None:
+                        sid = table[nxt[pos]] = self._apply_delta(nxt[pos], did)
+                    nxt[pos] = sid
+                out.append((label, tuple(nxt), notes))
+        return out
+
+    def _rare(
+        self, state: State, nxt: list[int], rare: tuple[Any, ...], notes: tuple[str, ...]
+    ) -> tuple[str, ...] | None:
+        """The parts of an effect that read the network or the landed set, or crash a node; None:
+        the effect is not enabled here (a fence timer while data of the room is in flight)."""
+        fence, landing, required, slow = rare
+        if fence is not None and any(fence in self._touched[sid] for sid in state[3:]):
+            return None
+        if landing is not None or required:
+            notes = self._landed_notes(state[2], landing, required, notes)
+            if landing is not None:
+                nxt[2] = state[2] | landing[0]
+        if slow is not None:
+            nxt[3:] = self._apply_slow(tuple(state[3:]), slow)
+        return notes
+
+    @staticmethod
+    def _landed_notes(
+        landed: int, landing: tuple[int, str] | None, required: tuple[tuple[int, str], ...], notes: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        extra = [note for mask, note in required if landed & mask != mask]
+        if landing is not None and landed & landing[0]:
+            extra.append(landing[1])
+        return tuple(sorted({*notes, *extra})) if extra else notes
+
+    def _apply_slow(self, net: tuple[int, ...], ops_id: int) -> tuple[int, ...]:
+        """Apply ops (a crash among them) to the whole network, item by item."""
+        key = (net, ops_id)
+        hit = self._slow_memo.get(key) if self.memo else None
+        if hit is not None:
+            return hit
+        fifo = {pair: [self._items[i] for i in self._seqs[net[pos - 3]]] for pair, pos in self.pair_pos.items()}
+        bag = [self._items[i] for i in self._seqs[net[-1]]]
+        for op, arg in self._slow_ops[ops_id]:
+            if op == "crash":
+                self._crash_network(fifo, bag, arg)
+            elif arg[0] == "m" and self.cfg.ordered:
+                fifo[(arg[1], arg[2])].append(arg)
+            else:
+                bag.append(arg)
+        out = [self._seq(tuple(self._item(it) for it in fifo[pair]), False) for pair in self.pairs]
+        out.append(self._seq(tuple(sorted(self._item(it) for it in bag)), True))
+        self._slow_memo[key] = tuple(out)
+        return tuple(out)
+
+    # ------------------------------------------------------------------ effects (memoised per control state)
+
+    def _builder(self, ctrl: int) -> _Builder:
+        slots, crashed, lost = self._ctrls[ctrl]
+        return _Builder(list(slots), set(crashed), set(lost))
+
+    def _compile(self, label: Label, b: _Builder, fence: tuple[str, int] | None = None) -> Effect:
+        ctrl = self._ctrl((tuple(b.slots), tuple(sorted(b.crashed)), tuple(sorted(b.lost))))
+        landing = None if b.landing is None else (self._bits[b.landing[0]], b.landing[1])
+        masks: dict[str, int] = {}
+        for key, note in b.required:
+            masks[note] = masks.get(note, 0) | self._bits[key]
+        required = tuple((mask, note) for note, mask in sorted(masks.items()))
+        slow = None
+        deltas: dict[int, tuple[list[int], list[int]]] = {}
+        if any(op == "crash" for op, _ in b.ops):
+            slow = self._slow_ids.setdefault(tuple(b.ops), len(self._slow_ops))
+            if slow == len(self._slow_ops):
+                self._slow_ops.append(tuple(b.ops))
+        else:
+            for op, item in b.ops:  # every take precedes every put (see _Builder)
+                pos = self.pair_pos[(item[1], item[2])] if item[0] == "m" and self.cfg.ordered else self.bag_pos
+                take, put = deltas.setdefault(pos, ([], []))
+                (take if op == "take" else put).append(self._item(item))
+        net = []
+        for pos, (take, put) in sorted(deltas.items()):
+            if pos == self.bag_pos:
+                did = self._delta(("bag", tuple(sorted(take)), tuple(sorted(put))))
+            else:
+                did = self._delta(("fifo", len(take), tuple(put)))
+            net.append((pos, did, self._net_memo[did]))
+        notes = tuple(sorted(b.notes)) if b.notes else NO_NOTES
+        cost = self._units[b.budget] if b.budget >= 0 else 0
+        rare = (fence, landing, required, slow) if fence or landing or required or slow is not None else None
+        return (label, ctrl, b.budget, cost, tuple(net), notes, rare)
+
+    def _engine_effects(self, ctrl: int) -> tuple[Effect, ...]:
+        """Engine calls and timers of every room (the network is only read by fence conditions)."""
+        slots, crashed, _ = self._ctrls[ctrl]
         cfg = self.cfg
-        dead = set(crashed)
-
-        def fresh() -> _Builder:
-            return _Builder(
-                list(slots), {k: list(q) for k, q in fifo}, list(bag), set(landed), list(budgets), set(crashed),
-                set(lost),
-            )  # fmt: skip
-
-        def emit(label: Label, b: _Builder) -> tuple[Label, State, frozenset[str]]:
-            return label, b.freeze(), frozenset(b.notes)
-
-        # --- engine calls
+        out: list[Effect] = []
         for idx, (side, room, rank) in enumerate(self.slot_info):
-            if self.node(side, rank) in dead:
+            if self.node(side, rank) in crashed:
                 continue
             cur = slots[idx]
-            if cur is None or (isinstance(cur, tuple) and cur[0] in ("E", "X")):
+            if cur is None or cur[0] in ("E", "X"):
                 if self._may_create(slots, side, room, rank):
-                    b = fresh()
+                    b = self._builder(ctrl)
                     self._do_create(b, idx, side, room, rank)
-                    yield emit(("create", side, rank, room), b)
+                    out.append(self._compile(("create", side, rank, room), b))
                 if cur is not None and cur[0] == "E":
                     # the runtime forgets early messages after early_ttl_s (< the fence timer)
-                    b = fresh()
+                    b = self._builder(ctrl)
                     self._expire_stash(b, idx, rank, room)
-                    yield emit(("expire", rank, room), b)
+                    out.append(self._compile(("expire", rank, room), b))
                 continue
             state_name = cur[0]
             if state_name == "Cleared":
                 continue
-            if side == "P" and self._may_send(slots, cur, room):
-                b = fresh()
+            if side == "P" and self._may_send(cur):
+                b = self._builder(ctrl)
                 handed = cur[7] + len(cur[5])
                 last = handed == cfg.chunks - 1
                 src_page = self.pages(room)[handed]
-                ev = ChunkReady((src_page,), last, room if last else None)
-                self._apply(b, idx, ev)
-                yield emit(("send", rank, room, handed), b)
+                self._apply(b, idx, ChunkReady((src_page,), last, room if last else None))
+                out.append(self._compile(("send", rank, room, handed), b))
             if side == "D" and state_name == "WaitingForInput.Allocating":
-                b = fresh()
+                b = self._builder(ctrl)
                 self._apply(b, idx, PagesAllocated(self.pages(room), room))
-                yield emit(("init", rank, room), b)
-            if budgets[3] > 0:  # an AbortReq may arrive in any state, even after Success
-                b = fresh()
-                b.budgets[3] -= 1
-                self._apply(b, idx, Abort(""))
-                yield emit(("abort", side, rank, room), b)
+                out.append(self._compile(("init", rank, room), b))
+            # an AbortReq may arrive in any state, even after Success (while the budget lasts)
+            b = self._builder(ctrl)
+            b.budget = ABORTS
+            self._apply(b, idx, Abort(""))
+            out.append(self._compile(("abort", side, rank, room), b))
             if (side, state_name) in self._clearable:
-                b = fresh()
+                b = self._builder(ctrl)
                 try:
                     self._apply(b, idx, Clear())
                 except LocalProtocolError:
                     pass  # refused (e.g. writes still read the pages): the engine waits
                 else:
-                    yield emit(("clear", side, rank, room), b)
+                    out.append(self._compile(("clear", side, rank, room), b))
             # --- timers
             for timer in cur[2]:
-                if timer == "fence" and not self._fence_may_fire(state, room, rank):
-                    continue
-                b = fresh()
-                self._apply(b, idx, TimerFired(timer))
-                yield emit(("timer", side, rank, room, timer), b)
-
-        # --- deliveries, losses, duplications
-        heads: list[tuple[Item, str, int]] = [(q[0], "fifo", i) for i, (_, q) in enumerate(fifo)]
-        seen: set[Item] = set()
-        for i, item in enumerate(bag):
-            if item not in seen:
-                seen.add(item)
-                heads.append((item, "bag", i))
-        for item, where, _ in heads:
-            b = fresh()
-            self._take(b, item, where)
-            self._deliver(b, item)
-            yield emit(("deliver", item), b)
-            lossy = item[0] in ("m", "n", "w")
-            if lossy and budgets[0] > 0:
-                b = fresh()
-                self._take(b, item, where)
-                b.budgets[0] -= 1
-                if item[0] == "w":
-                    # the data plane reports every posted write's fate: a lost write fails
-                    self._enqueue(b, ("c", item[1], item[3], int(item[2][1:]), item[4], False))
-                yield emit(("lose", item), b)
-            if item[0] in ("m", "n") and budgets[1] > 0:
-                b = fresh()
-                b.budgets[1] -= 1
-                self._enqueue(b, item)
-                yield emit(("duplicate", item), b)
-
-        # --- crashes
-        if budgets[2] > 0:
-            for side, n in (("P", cfg.prefill_ranks), ("D", cfg.decode_ranks)):
-                for rank in range(n):
-                    name = self.node(side, rank)
-                    if name in dead:
+                fence = None
+                if timer == "fence":
+                    if not self._fence_may_fire(slots, crashed, room, rank):
                         continue
-                    b = fresh()
-                    b.budgets[2] -= 1
-                    self._crash(b, name)
-                    yield emit(("crash", side, rank), b)
+                    fence = (self.node("D", rank), room)  # and no write or message of the room in flight
+                b = self._builder(ctrl)
+                self._apply(b, idx, TimerFired(timer))
+                out.append(self._compile(("timer", side, rank, room, timer), b, fence))
+        effects = tuple(out)
+        if self.memo:
+            self._engine[ctrl] = effects
+        return effects
+
+    def _item_effects(self, ctrl: int, iid: int) -> tuple[Effect, ...]:
+        """Delivery, loss and duplication of one item at the head of its queue (or in the bag)."""
+        item = self._items[iid]
+        out: list[Effect] = []
+        b = self._builder(ctrl)
+        b.ops.append(("take", item))
+        self._deliver(b, item)
+        out.append(self._compile(("deliver", item), b))
+        if item[0] in ("m", "n", "w"):
+            b = self._builder(ctrl)
+            b.ops.append(("take", item))
+            b.budget = LOSS
+            if item[0] == "w":
+                # the data plane reports every posted write's fate: a lost write fails
+                self._enqueue(b, ("c", item[1], item[3], int(item[2][1:]), item[4], False))
+            out.append(self._compile(("lose", item), b))
+        if item[0] in ("m", "n"):
+            b = self._builder(ctrl)
+            b.budget = DUP
+            self._enqueue(b, item)
+            out.append(self._compile(("duplicate", item), b))
+        effects = tuple(out)
+        if self.memo:
+            self._per_item[ctrl][iid] = effects
+        return effects
+
+    def _crash_effects(self, ctrl: int) -> tuple[Effect, ...]:
+        crashed = self._ctrls[ctrl][1]
+        out: list[Effect] = []
+        for side, n in (("P", self.cfg.prefill_ranks), ("D", self.cfg.decode_ranks)):
+            for rank in range(n):
+                name = self.node(side, rank)
+                if name in crashed:
+                    continue
+                b = self._builder(ctrl)
+                b.budget = CRASH
+                self._crash(b, name)
+                out.append(self._compile(("crash", side, rank), b))
+        effects = tuple(out)
+        if self.memo:
+            self._crashes[ctrl] = effects
+        return effects
+
+    # ------------------------------------------------------------------ symmetry
+
+    def symmetries(self) -> list[_Renaming]:
+        """Renamings of rooms and ranks (not the identity) that map the model onto itself.
+
+        Rooms are interchangeable (their pages and aux slot are renamed with them). Ranks are
+        renamed by pairs of permutations that keep the prefill -> decode mapping; that is exact
+        only while one crash at most is allowed (a decode room created with several sources
+        already dead reports the lowest one), so rank renamings need ``crash <= 1``.
+        """
+        if self._symmetries is None:
+            cfg = self.cfg
+            rank_perms: list[tuple[tuple[int, ...], tuple[int, ...]]] = [
+                (tuple(range(cfg.prefill_ranks)), tuple(range(cfg.decode_ranks)))
+            ]
+            if cfg.crash <= 1:
+                rank_perms = [
+                    (pp, dp)
+                    for pp in permutations(range(cfg.prefill_ranks))
+                    for dp in permutations(range(cfg.decode_ranks))
+                    if all(
+                        set(self.sources[dp[d]]) == {pp[p] for p in self.sources[d]} for d in range(cfg.decode_ranks)
+                    )
+                ]
+            group = [
+                _Renaming(rooms, pp, dp, cfg.chunks)
+                for rooms in permutations(range(cfg.rooms))
+                for pp, dp in rank_perms
+            ]
+            self._symmetries = [g for g in group if not g.identity]
+        return self._symmetries
+
+    def canonical(self, state: State) -> State:
+        """The least of ``state``'s images under ``symmetries()``: one representative per orbit."""
+        best = state
+        for g in self.symmetries():
+            image = self._rename_state(g, state)
+            if image < best:
+                best = image
+        return best
+
+    def _rename_state(self, g: _Renaming, state: State) -> State:
+        memo = g.memo
+        ctrl = memo.get(("c", state[0]))
+        if ctrl is None:
+            ctrl = memo[("c", state[0])] = self._rename_ctrl(g, state[0])
+        landed = memo.get(("l", state[2]))
+        if landed is None:
+            landed = memo[("l", state[2])] = sum(
+                self._bits[g.landing(key)] for key, bit in self._bits.items() if state[2] & bit
+            )
+        out = [ctrl, state[1], landed, *state[3:]]
+        for pair, pos in self.pair_pos.items():
+            sid = memo.get(("q", state[pos]))
+            if sid is None:
+                renamed = tuple(self._item(g.item(self._items[i])) for i in self._seqs[state[pos]])
+                sid = memo[("q", state[pos])] = self._seq(renamed, False)
+            out[self.pair_pos[(g.node(pair[0]), g.node(pair[1]))]] = sid
+        bag = memo.get(("b", state[-1]))
+        if bag is None:
+            renamed = tuple(sorted(self._item(g.item(self._items[i])) for i in self._seqs[state[-1]]))
+            bag = memo[("b", state[-1])] = self._seq(renamed, True)
+        out[-1] = bag
+        return tuple(out)
+
+    def _rename_ctrl(self, g: _Renaming, ctrl: int) -> int:
+        slots, crashed, lost = self._ctrls[ctrl]
+        new: list[Any] = [None] * len(slots)
+        for idx, (side, room, rank) in enumerate(self.slot_info):
+            to = (side, g.rooms[room], (g.prefill if side == "P" else g.decode)[rank])
+            new[self.slot_index[to]] = g.slot(side, slots[idx])
+        return self._ctrl(
+            (
+                tuple(new),
+                tuple(sorted(g.node(n) for n in crashed)),
+                tuple(sorted((g.node(a), g.node(b)) for a, b in lost)),
+            )
+        )
 
     def _may_create(self, slots: tuple[Any, ...], side: str, room: int, rank: int) -> bool:
         order = self.cfg.order
@@ -462,7 +778,7 @@ class Model:
             return True
         return True
 
-    def _may_send(self, slots: tuple[Any, ...], cur: Any, room: int) -> bool:
+    def _may_send(self, cur: Any) -> bool:
         state_name = cur[0]
         if state_name not in (
             "Bootstrapping.Waiting",
@@ -473,18 +789,12 @@ class Model:
             return False
         return bool(cur[7] + len(cur[5]) < self.cfg.chunks)
 
-    def _fence_may_fire(self, state: State, room: int, rank: int) -> bool:
+    def _fence_may_fire(self, slots: tuple[Any, ...], crashed: tuple[str, ...], room: int, rank: int) -> bool:
         """Timing assumption of the fence timer: it is longer than any write or message can stay
-        in flight, than prefill keeps early messages, and than any source room can live."""
-        slots, fifo, bag, *_ = state
-        me = self.node("D", rank)
-        if any(item[0] in ("w", "m") and me in (item[1], item[2]) and self._item_room(item) == room for item in bag):
-            return False
-        for (a, c), q in fifo:
-            if me in (a, c) and any(self._item_room(item) == room for item in q):
-                return False
+        in flight (checked on the network by the effect's ``fence`` condition), than prefill keeps
+        early messages, and than any source room can live."""
         for p in self.sources[rank]:
-            if self.node("P", p) in state[5]:
+            if self.node("P", p) in crashed:
                 continue
             s = slots[self.slot_index[("P", room, p)]]
             if isinstance(s, tuple) and s[0] not in ("Success", "Failed", "Cleared", "X"):
@@ -524,13 +834,6 @@ class Model:
             self._apply(b, idx, PeerLost(broken[0], "") if broken else PeersReady())
         for ev in stash:
             self._apply(b, idx, ev)
-
-    def _take(self, b: _Builder, item: Item, where: str) -> None:
-        if where == "fifo":
-            q = b.fifo[(item[1], item[2])]
-            q.pop(0)
-        else:
-            b.bag.remove(item)
 
     # ------------------------------------------------------------------ the runtime's routing
 
@@ -644,24 +947,12 @@ class Model:
             self._enqueue(b, ("c", src, room, d, chunk_id, False))
             return
         landing_notes(self, b, room, p, d, chunk_id)
-        b.landed.add((room, p, chunk_id, d))
         self._enqueue(b, ("n", src, dst, note))
         self._enqueue(b, ("c", src, room, d, chunk_id, True))
 
     def _crash(self, b: _Builder, name: str) -> None:
         b.crashed.add(name)
-        for key in list(b.fifo):
-            if name in key:
-                del b.fifo[key]
-        kept: list[Item] = []
-        for item in b.bag:
-            if item[0] == "w" and item[2] == name:
-                kept.append(("c", item[1], item[3], int(name[1:]), item[4], False))  # write into a dead node fails
-            elif item[1] == name or item[2] == name:
-                continue
-            else:
-                kept.append(item)
-        b.bag = kept
+        b.ops.append(("crash", name))
         side = name[0]
         rank = int(name[1:])
         others = self.dests[rank] if side == "P" else self.sources[rank]
@@ -669,7 +960,108 @@ class Model:
         for o in others:
             other = self.node(other_side, o)
             if other not in b.crashed:
-                b.bag.append(("l", other, name))
+                b.ops.append(("put", ("l", other, name)))
+
+    @staticmethod
+    def _crash_network(fifo: dict[tuple[str, str], list[Item]], bag: list[Item], name: str) -> None:
+        """What a crash does to the network: its queues go; writes into it fail; the rest to or from it is lost."""
+        for key in fifo:
+            if name in key:
+                fifo[key].clear()
+        kept: list[Item] = []
+        for item in bag:
+            if item[0] == "w" and item[2] == name:
+                kept.append(("c", item[1], item[3], int(name[1:]), item[4], False))  # write into a dead node fails
+            elif item[1] == name or item[2] == name:
+                continue
+            else:
+                kept.append(item)
+        bag[:] = kept
+
+
+_KEPT_FIELDS = {"required_dests", "reason", "side", "chunk_id", "is_last", "page_start", "num_pages",
+                "peer_kv_pages", "peer_aux_slots"}  # fmt: skip
+
+
+@dataclass(eq=False)
+class _Renaming:
+    """A renaming of rooms (with their pages and aux slot) and of prefill and decode ranks."""
+
+    rooms: tuple[int, ...]
+    prefill: tuple[int, ...]
+    decode: tuple[int, ...]
+    chunks: int
+    memo: dict[tuple[str, int], int] = field(default_factory=dict)  # interned id -> renamed id
+
+    @property
+    def identity(self) -> bool:
+        return all(v == i for perm in (self.rooms, self.prefill, self.decode) for i, v in enumerate(perm))
+
+    def node(self, name: str) -> str:
+        return name[0] + str((self.prefill if name[0] == "P" else self.decode)[int(name[1:])])
+
+    def pages(self, pages: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self.rooms[p // self.chunks] * self.chunks + p % self.chunks for p in pages)
+
+    def aux(self, slot: int | None) -> int | None:
+        return slot if slot is None or slot < 0 else self.rooms[slot]  # the aux slot of a room is its id
+
+    def landing(self, key: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+        room, p, chunk, d = key
+        return self.rooms[room], self.prefill[p], chunk, self.decode[d]
+
+    def fields(self, names: list[str], values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Message or event fields, renamed by field name (an unknown field is an error)."""
+        side = values[names.index("side")] if "side" in names else None
+        out = []
+        for name, v in zip(names, values, strict=True):
+            if name == "room":
+                v = self.rooms[v]
+            elif name in ("decode_rank", "dest_rank") or (name == "rank" and side == "decode"):
+                v = self.decode[v]
+            elif name in ("prefill_rank", "src") or (name == "rank" and side == "prefill"):
+                v = self.prefill[v]
+            elif name == "pages":
+                v = self.pages(v)
+            elif name == "aux_slot":
+                v = self.aux(v)
+            elif name not in _KEPT_FIELDS:
+                raise ValueError(f"no renaming rule for field {name!r}")
+            out.append(v)
+        return tuple(out)
+
+    def msg(self, t: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (t[0], *self.fields([f.name for f in fields(MESSAGE_CLASSES[t[0]])], t[1:]))
+
+    def item(self, item: Item) -> Item:
+        kind = item[0]
+        if kind in ("m", "n"):
+            return (kind, self.node(item[1]), self.node(item[2]), self.msg(item[3]))
+        if kind == "w":
+            return (kind, self.node(item[1]), self.node(item[2]), self.rooms[item[3]], item[4], self.msg(item[5]))
+        if kind == "c":
+            return (kind, self.node(item[1]), self.rooms[item[2]], self.decode[item[3]], item[4], item[5])
+        return (kind, self.node(item[1]), self.node(item[2]))
+
+    def slot(self, side: str, s: Any) -> Any:
+        if s is None or s[0] == "X":
+            return s
+        if s[0] == "E":
+            return ("E", tuple(type(ev)(*self.fields([f.name for f in fields(ev)], astuple(ev))) for ev in s[1]))
+        if side == "P":
+            state, code, timers, dests, req, held, last_seen, next_chunk, cursor, inflight = s
+            dests = tuple(sorted((self.decode[k], self.pages(pages), self.aux(aux)) for k, pages, aux in dests))
+            held = tuple((self.pages(pages), last, self.aux(aux)) for pages, last, aux in held)
+            inflight = tuple(sorted((self.decode[d], c) for d, c in inflight))
+            return (state, code, timers, dests, req, held, last_seen, next_chunk, cursor, inflight)
+        state, code, timers, pages, aux, received, last_count, aux_done, undrained = s
+        return (
+            state, code, timers, self.pages(pages), self.aux(aux),
+            tuple(sorted((self.prefill[src], got) for src, got in received)),
+            tuple(sorted((self.prefill[src], n) for src, n in last_count)),
+            tuple(sorted(self.prefill[src] for src in aux_done)),
+            tuple(sorted(self.prefill[src] for src in undrained)),
+        )  # fmt: skip
 
 
 __all__ = ["CheckConfig", "Model", "LocalProtocolError", "State", "Label"]

@@ -78,8 +78,7 @@ def edge_notes(
         # always.no_false_success: every chunk and the aux of every source landed here
         for p in model.sources[rank]:
             for chunk in (*range(model.cfg.chunks), -1):
-                if (room, p, chunk, rank) not in b.landed:
-                    notes.add("!no_false_success")
+                b.require_landed((room, p, chunk, rank), "!no_false_success")
     if row == "P4":
         notes.add("~scenario_1")
     elif row in ("P6", "P7"):
@@ -87,8 +86,7 @@ def edge_notes(
 
 
 def landing_notes(model: Model, b: _Builder, room: int, p: int, d: int, chunk_id: int) -> None:
-    if (room, p, chunk_id, d) in b.landed:
-        b.notes.add("!write_at_most_once")
+    b.land((room, p, chunk_id, d), "!write_at_most_once")
     slot = b.slots[model.slot_index[("D", room, d)]]
     # pages must be allocated to this room (announced) and not yet handed back (cleared)
     if not isinstance(slot, tuple) or slot[0] in ("E", "X", "Cleared") or not slot[3]:
@@ -100,7 +98,7 @@ def landing_notes(model: Model, b: _Builder, room: int, p: int, d: int, chunk_id
 
 def stuck_rooms(model: Model, state: Any) -> list[str]:
     """liveness.no_stuck_room: rooms (of live nodes) not concluded and cleared in a final state."""
-    slots, crashed = state[0], state[5]
+    slots, crashed = model.slots(state), model.crashed(state)
     stuck = []
     for idx, (side, room, rank) in enumerate(model.slot_info):
         if model.node(side, rank) in crashed:

@@ -200,13 +200,13 @@ class Replayer:
         return None
 
     def model_state(self, idx: int) -> str | None:
-        slot = self.state[0][idx]
+        slot = self.model.slots(self.state)[idx]
         return None if slot is None else str(slot[0])
 
     def _compare(self) -> list[str]:
         out = []
         for idx, (side, room, rank) in enumerate(self.model.slot_info):
-            if self.model.node(side, rank) in self.state[5]:
+            if self.model.node(side, rank) in self.model.crashed(self.state):
                 continue  # a crashed rank: the runtime object lives on, the model froze it
             want, got = self.model_state(idx), self.runtime_state(side, rank, room)
             if want != got:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvfsm.check import CheckConfig, explore
+from kvfsm.check import CheckConfig, Model, explore
 from kvfsm.check.cli import PRESETS, mermaid
-from kvfsm.check.explore import components, explore_reduced
+from kvfsm.check.explore import _jsonable, components, explore_reduced
 from kvfsm.check.mutants import MUTANTS
 from kvfsm.check.properties import PREDICATES, load_properties
 
@@ -38,9 +38,51 @@ PINNED = [
 
 @pytest.mark.parametrize(("cfg", "states", "edges", "depth"), PINNED)
 def test_pinned_state_counts_and_every_property_holds(cfg: CheckConfig, states: int, edges: int, depth: int) -> None:
-    r = explore(cfg)
+    r = explore(cfg, symmetry=False)
     assert r.complete and r.violations == []
     assert (r.distinct_states, r.edges, r.max_depth) == (states, edges, depth)
+
+
+def test_effect_tables_do_not_change_the_explored_graph() -> None:
+    # memo=False recomputes every effect and network delta from the readable model code
+    cfg, states, edges, depth = PINNED[-1]
+    r = explore(cfg, memo=False, symmetry=False)
+    assert (r.distinct_states, r.edges, r.max_depth) == (states, edges, depth)
+
+
+# Symmetry reduction: (config, states and edges without, with, depth, first violation and its trace length).
+SYMMETRIC = [
+    (replace(MUTANTS["completion_per_pp_rank"].config, mutant="completion_per_pp_rank"),
+     (31124, 96130), (15938, 49452), 14, ("no_false_success", 14)),
+    (CheckConfig(1, 1, 2, 1, order="prefill-first"), (216, 460), (133, 294), 7, ("no_stuck_room", 6)),
+    (CheckConfig(1, 1, 2, 1, aborts=1, mutant="decode_abort_untold"), (18, 22), (11, 16), 2, ("failure_is_told", 2)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("cfg", "plain", "reduced", "depth", "first"), SYMMETRIC)
+def test_symmetry_reduction_keeps_verdicts_and_shortest_traces(
+    cfg: CheckConfig, plain: tuple[int, int], reduced: tuple[int, int], depth: int, first: tuple[str, int]
+) -> None:
+    model = Model(cfg)
+    assert model.symmetries()  # rooms or rank groups are interchangeable here
+    runs = {sym: explore(cfg, symmetry=sym) for sym in (False, True)}
+    for sym, r in runs.items():
+        assert r.symmetries == (2 if sym else 1)
+        assert (r.distinct_states, r.edges) == (reduced if sym else plain)
+        assert r.max_depth == depth
+        v = r.violations[0]
+        assert (v["name"], len(v["trace"])) == first
+        # the trace is concrete: every step is enabled in the unreduced model
+        state = model.initial()
+        for label in v["trace"]:
+            state = next(nxt for lab, nxt, _ in model.successors(state) if _jsonable(lab) == label)
+    assert runs[True].witnessed == runs[False].witnessed
+
+
+def test_rank_symmetry_needs_at_most_one_crash() -> None:
+    assert len(Model(CheckConfig(2, 1, 1, 1, crash=1)).symmetries()) == 1
+    assert Model(CheckConfig(2, 1, 1, 1, crash=2)).symmetries() == []
+    assert len(Model(CheckConfig(2, 2, 2, 1, crash=1)).symmetries()) == 3  # rooms x the two P-D pairs
 
 
 def test_smoke_preset_explores_everything_and_witnesses_every_sometimes() -> None:
@@ -127,5 +169,7 @@ def test_cli_reports_a_mutant_with_exit_status_1_json_and_a_jsonl_trace(tmp_path
 def test_cli_smoke_preset_passes_and_lists_mutants() -> None:
     p = _kvfsm("check", "--preset", "smoke")
     assert p.returncode == 0 and "every property holds" in p.stdout, p.stdout + p.stderr
+    p = _kvfsm("check", "--rooms", "2", "--order", "prefill-first", "--reduction", "none", "--no-symmetry", "--json")
+    assert json.loads(p.stdout)["distinct_states"] == 216 and json.loads(p.stdout)["symmetry"] is False
     p = _kvfsm("check", "--list-mutants")
     assert p.returncode == 0 and all(name in p.stdout for name in MUTANTS)
