@@ -283,9 +283,73 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unordered", action="store_true", help="no per-pair FIFO on the loopback network")
     p.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    real = p.add_argument_group("real transports (--transport nixl: one process per rank on this host)")
+    real.add_argument(
+        "--transport",
+        choices=["loopback", "nixl"],
+        default="loopback",
+        help="loopback: in-process (default); nixl: P and D ranks as processes, ZMQ control + NIXL data",
+    )
+    real.add_argument("--kill-prefill", type=int, default=None, metavar="RANK",
+                      help="SIGKILL this prefill rank's process in the middle of the second wave")  # fmt: skip
+    real.add_argument("--chunk-interval", type=float, default=0.0, help="prefill: seconds between chunk rounds")
+    real.add_argument("--ucx", action="append", default=[], metavar="KEY=VALUE", help="NIXL UCX backend parameter")
+    real.add_argument("--prefill-netns", default="", help="run prefill ranks (and bootstrap) in this netns")
+    real.add_argument("--decode-netns", default="", help="run decode ranks in this network namespace")
+    real.add_argument("--prefill-host", default="127.0.0.1", help="address prefill ranks bind to")
+    real.add_argument("--decode-host", default="127.0.0.1", help="address decode ranks bind to")
+
+
+def main_processes(args: argparse.Namespace) -> int:
+    from kvfsm.node import ClusterConfig, run_cluster
+
+    cfg = ClusterConfig(
+        rooms=args.rooms,
+        chunks=args.chunks,
+        ranks=args.ranks,
+        pages_per_chunk=args.pages_per_chunk,
+        page_bytes=args.page_bytes,
+        concurrency=min(args.concurrency, args.rooms),
+        seed=args.seed,
+        transfer_timeout=args.transfer_timeout,
+        chunk_interval=args.chunk_interval,
+        ucx_params=dict(kv.split("=", 1) for kv in args.ucx),
+        prefill_host=args.prefill_host,
+        decode_host=args.decode_host,
+        prefill_netns=args.prefill_netns,
+        decode_netns=args.decode_netns,
+    )
+    res = run_cluster(cfg, kill_prefill=args.kill_prefill)
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        print(
+            f"kvfsm demo over ZMQ + NIXL: {res['processes']} processes "
+            f"({cfg.ranks} prefill + {cfg.ranks} decode ranks + bootstrap), "
+            f"{cfg.rooms} rooms x {cfg.chunks} chunks per rank pair"
+        )
+        print(f"  succeeded {res['succeeded']}, failed {res['failed']} of {res['rooms']} decode rooms")
+        print(
+            f"  bytes verified {res['bytes_verified']} ({res['bytes_verified'] / 2**20:.1f} MiB), "
+            f"mismatched rooms {len(res['mismatched_rooms'])}, {res['seconds']:.2f} s"
+        )
+        if res["killed_prefill"] is not None:
+            print(
+                f"  killed prefill rank {res['killed_prefill']}; its decode rank concluded "
+                f"{res['seconds_kill_to_decode_concluded']} s later"
+            )
+        print(f"  exit codes {res['exit_codes']}")
+        for problem in res["problems"]:
+            print(f"  problem: {problem}")
+        for label, tail in res["stderr_tail"].items():
+            print(f"  --- {label} stderr ---\n{tail}")
+        print("  OK" if res["ok"] else "  FAILED")
+    return 0 if res["ok"] else 1
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.transport != "loopback":
+        return main_processes(args)
     cfg = DemoConfig(
         rooms=args.rooms,
         chunks=args.chunks,

@@ -48,7 +48,7 @@ from kvfsm.protocol.wire import Codec, Message
 from kvfsm.runtime.telemetry import Telemetry
 from kvfsm.runtime.timers import TimerWheel
 from kvfsm.runtime.workers import WorkerPool
-from kvfsm.transport.base import Endpoint, Inbound, Segment
+from kvfsm.transport.base import Endpoint, Inbound, Segment, region_nbytes
 
 log = logging.getLogger("kvfsm.runtime")
 
@@ -132,8 +132,8 @@ class Manager:
         endpoint: Endpoint,
         protocol: Protocol | None = None,
         *,
-        kv: memoryview | bytearray,
-        aux: memoryview | bytearray,
+        kv: Any,
+        aux: Any,
         page_bytes: int,
         aux_slot_bytes: int,
         config: RuntimeConfig | None = None,
@@ -146,20 +146,19 @@ class Manager:
         self.machine: RoomMachine = protocol.machine_for(self.side, self.config.timeouts)
         self.codec: Codec = protocol.codec
         self.clock = clock
-        self.kv = memoryview(kv).cast("B")
-        self.aux = memoryview(aux).cast("B")
-        if page_bytes <= 0 or len(self.kv) % page_bytes:
+        self.kv = kv  # a host buffer or a tensor (CPU or GPU): the transport registers it
+        self.aux = aux
+        kv_bytes, aux_bytes = region_nbytes(kv), region_nbytes(aux)
+        if page_bytes <= 0 or kv_bytes % page_bytes:
+            raise LocalProtocolError(f"KV region of {kv_bytes} bytes is not a whole number of {page_bytes}-byte pages")
+        if aux_slot_bytes <= 0 or aux_bytes % aux_slot_bytes:
             raise LocalProtocolError(
-                f"KV region of {len(self.kv)} bytes is not a whole number of {page_bytes}-byte pages"
-            )
-        if aux_slot_bytes <= 0 or len(self.aux) % aux_slot_bytes:
-            raise LocalProtocolError(
-                f"aux region of {len(self.aux)} bytes is not a whole number of {aux_slot_bytes}-byte slots"
+                f"aux region of {aux_bytes} bytes is not a whole number of {aux_slot_bytes}-byte slots"
             )
         self.page_bytes = page_bytes
         self.aux_slot_bytes = aux_slot_bytes
-        self.kv_pages = len(self.kv) // page_bytes
-        self.aux_slots = len(self.aux) // aux_slot_bytes
+        self.kv_pages = kv_bytes // page_bytes
+        self.aux_slots = aux_bytes // aux_slot_bytes
         self.telemetry = Telemetry()
         self._lock = threading.RLock()
         self._rooms: dict[int, RoomRuntime] = {}
@@ -171,7 +170,7 @@ class Manager:
         self._failures: dict[int, str] = {}
         # Only prefill posts writes (push mode); decode needs no transfer workers.
         self.pool = WorkerPool(self.config.workers if self.side == "prefill" else 0, name=f"{self.side}{rank}")
-        endpoint.register_memory(self.kv, self.aux)
+        endpoint.register_memory(self.kv, self.aux, kv_block=page_bytes, aux_block=aux_slot_bytes)
         endpoint.set_handler(self._on_inbound)
 
     # ------------------------------------------------------------------ engine-facing helpers

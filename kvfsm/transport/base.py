@@ -1,17 +1,27 @@
-"""The two ports a transport implements, as one ``Endpoint`` per (side, rank).
+"""The two ports a transport implements, and the ``Endpoint`` the runtime talks to.
 
-Control plane: ``send(peer, data)`` best effort, small messages. Data plane: memory registered
-once (a KV region and an aux region), ``write`` copies segments into a peer's registered region
-and then delivers a notification to that peer; the writer later receives a completion.
-Everything inbound (messages, notifications, completions, peer loss) reaches the owner through
-the handler it installed with ``set_handler``; the runtime turns each into protocol events.
+Control plane (``ControlPlane``): ``send(peer, data)`` best effort, small messages; inbound
+messages and peer loss. Data plane (``DataPlane``): memory registered once (a KV region and an aux
+region), ``write`` copies segments into a peer's registered region and then delivers a
+notification to that peer (``read`` copies the other way and notifies the peer it read from);
+the initiator later receives a completion. A data plane describes its registered memory as an
+opaque ``descriptor()``; the control plane carries it to peers at handshake and hands the peer's
+to ``add_peer`` before any message of that peer is delivered, so a peer that can talk to us can
+also be written to.
+
+An ``Endpoint`` is both ports for one (side, rank). ``loopback`` implements both in one object;
+``SplitEndpoint`` joins a separate control plane (``zmq``) and data plane (``nixl``). Everything
+inbound (messages, notifications, completions, peer loss) reaches the owner through the handler it
+installed with ``set_handler``, possibly from a transport thread; the runtime turns each into
+protocol events.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 Region = Literal["kv", "aux"]
 
@@ -47,14 +57,129 @@ class Inbound:
 
 
 Handler = Callable[[Inbound], None]
+AddPeer = Callable[[str, bytes], None]
+RemovePeer = Callable[[str], None]
+
+MemKind = Literal["DRAM", "VRAM"]
 
 
-class Endpoint(Protocol):
+@dataclass(frozen=True, slots=True)
+class MemoryRegion:
+    """A registered buffer: where it is, how big, on which device. ``owner`` keeps it alive."""
+
+    addr: int
+    nbytes: int
+    mem: MemKind
+    device: int
+    owner: object
+    readonly: bool = False
+
+    def view(self) -> memoryview:
+        """The bytes of a host (DRAM) region."""
+        if self.mem != "DRAM":
+            raise TransportError(f"a {self.mem} region has no host view")
+        if not self.nbytes:
+            return memoryview(b"")
+        return memoryview((ctypes.c_char * self.nbytes).from_address(self.addr)).cast("B")
+
+
+def as_region(buf: Any) -> MemoryRegion:
+    """A ``MemoryRegion`` for a KV or aux buffer: a torch tensor (CPU: DRAM, CUDA: VRAM), a numpy
+    array, or anything with the buffer protocol (bytearray, memoryview, mmap). Must be contiguous."""
+    if hasattr(buf, "data_ptr") and hasattr(buf, "is_contiguous"):  # torch.Tensor, without importing torch
+        if not buf.is_contiguous():
+            raise TransportError("a registered tensor must be contiguous")
+        dev = buf.device
+        mem: MemKind = "VRAM" if dev.type == "cuda" else "DRAM"
+        if dev.type not in ("cpu", "cuda"):
+            raise TransportError(f"cannot register memory on device {dev}")
+        return MemoryRegion(int(buf.data_ptr()), int(buf.numel() * buf.element_size()), mem, int(dev.index or 0), buf)
+    mv = memoryview(buf)
+    if not mv.contiguous:
+        raise TransportError("a registered buffer must be contiguous")
+    mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    if not len(mv):
+        return MemoryRegion(0, 0, "DRAM", 0, mv, mv.readonly)
+    if mv.readonly:
+        # ctypes cannot take the address of a read-only buffer; numpy can, without copying.
+        import numpy as np
+
+        arr = np.frombuffer(mv, dtype=np.uint8)
+        return MemoryRegion(int(arr.ctypes.data), len(mv), "DRAM", 0, (mv, arr), True)
+    return MemoryRegion(ctypes.addressof(ctypes.c_char.from_buffer(mv)), len(mv), "DRAM", 0, mv)
+
+
+def region_nbytes(buf: Any) -> int:
+    return as_region(buf).nbytes
+
+
+class ControlPlane(Protocol):
+    """Small messages between named peers. Inbound: "message" and "peer_lost" items."""
+
     name: str
 
     def set_handler(self, handler: Handler) -> None: ...
 
-    def register_memory(self, kv: memoryview, aux: memoryview) -> None: ...
+    def attach_data(self, descriptor: bytes, add_peer: AddPeer, remove_peer: RemovePeer) -> None:
+        """Carry ``descriptor`` to every peer at handshake; call ``add_peer`` with each peer's
+        before delivering any of its messages (a peer whose descriptor is refused is not heard)
+        and ``remove_peer`` when it is lost."""
+        ...
+
+    def send(self, peer: str, data: bytes) -> None:
+        """Best effort; a dead or unknown peer drops the message (the protocol's timers cover it)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class DataPlane(Protocol):
+    """Registered memory, one-sided writes and reads with notifications. Inbound:
+    "notification" and "completion" items (and "peer_lost" when the data path finds a peer dead)."""
+
+    name: str
+
+    def set_handler(self, handler: Handler) -> None: ...
+
+    def register_memory(self, kv: Any, aux: Any, *, kv_block: int = 0, aux_block: int = 0) -> None:
+        """Register both regions; ``kv_block``/``aux_block`` (page and aux-slot sizes) let a data
+        plane prepare block-granular descriptor lists once instead of per transfer."""
+        ...
+
+    def descriptor(self) -> bytes:
+        """What a peer needs to reach our registered memory (opaque, no pickle)."""
+        ...
+
+    def add_peer(self, peer: str, descriptor: bytes) -> None:
+        """Make ``peer`` reachable. Raises TransportError for a malformed or mismatched descriptor."""
+        ...
+
+    def remove_peer(self, peer: str) -> None: ...
+
+    def write(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
+        """Copy ``segments`` (``src`` local offset, ``dst`` offset at ``peer``) into ``peer``'s
+        ``region``; then deliver ``notification`` to it and a completion for ``tag`` to us.
+        Returns the bytes posted. Raises TransportError *before any byte is written* if a segment
+        lies outside either registered region or the peer is unknown or dead; a failure after
+        posting comes back as a completion with ``ok=False``."""
+        ...
+
+    def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
+        """Copy ``segments`` (``src`` offset at ``peer``, ``dst`` local offset) from ``peer``'s
+        ``region`` into ours; then notify ``peer`` and complete ``tag`` to us. Errors as ``write``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Endpoint(Protocol):
+    """Both ports for one (side, rank), as the runtime uses them."""
+
+    name: str
+
+    def set_handler(self, handler: Handler) -> None: ...
+
+    def register_memory(self, kv: Any, aux: Any, *, kv_block: int = 0, aux_block: int = 0) -> None: ...
 
     def send(self, peer: str, data: bytes) -> None:
         """Best effort; a dead or unknown peer drops the message (the protocol's timers cover it)."""
@@ -65,3 +190,48 @@ class Endpoint(Protocol):
         completion for ``tag`` to us. Returns the bytes moved. Raises TransportError *before any
         byte is written* if a segment lies outside either registered region or the peer is dead."""
         ...
+
+
+def check_segments(segments: Sequence[Segment], local: int, remote: int, what: str) -> int:
+    """Bounds-check segments (``src`` within ``local`` bytes, ``dst`` within ``remote``); returns
+    the total length. Raises TransportError naming the first bad segment."""
+    total = 0
+    for s in segments:
+        if s.length < 0 or s.src < 0 or s.dst < 0 or s.src + s.length > local or s.dst + s.length > remote:
+            raise TransportError(
+                f"{what}: segment {s} outside registered memory ({local} local, {remote} remote bytes)"
+            )
+        total += s.length
+    return total
+
+
+class SplitEndpoint:
+    """An ``Endpoint`` made of a control plane and a data plane with the same name."""
+
+    def __init__(self, control: ControlPlane, data: DataPlane) -> None:
+        if control.name != data.name:
+            raise ValueError(f"control plane {control.name!r} and data plane {data.name!r} must share a name")
+        self.name = control.name
+        self.control = control
+        self.data = data
+
+    def set_handler(self, handler: Handler) -> None:
+        self.data.set_handler(handler)
+        self.control.set_handler(handler)
+
+    def register_memory(self, kv: Any, aux: Any, *, kv_block: int = 0, aux_block: int = 0) -> None:
+        self.data.register_memory(kv, aux, kv_block=kv_block, aux_block=aux_block)
+        self.control.attach_data(self.data.descriptor(), self.data.add_peer, self.data.remove_peer)
+
+    def send(self, peer: str, data: bytes) -> None:
+        self.control.send(peer, data)
+
+    def write(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
+        return self.data.write(peer, region, segments, notification, tag)
+
+    def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
+        return self.data.read(peer, region, segments, notification, tag)
+
+    def close(self) -> None:
+        self.control.close()
+        self.data.close()

@@ -23,6 +23,7 @@ Handlers run in the pumping thread, never while the fabric's lock is held.
 from __future__ import annotations
 
 import ctypes
+import logging
 import random
 import threading
 from collections import deque
@@ -30,7 +31,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvfsm.transport.base import Handler, Inbound, Region, Segment, TransportError
+from kvfsm.transport.base import (
+    AddPeer,
+    Handler,
+    Inbound,
+    Region,
+    RemovePeer,
+    Segment,
+    TransportError,
+    as_region,
+    check_segments,
+)
+
+log = logging.getLogger("kvfsm.transport.loopback")
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +236,8 @@ class Fabric:
             self._land(writer, item.dst, region, segments, notification, item.inbound.tag)
         else:
             assert ep is not None and ep.handler is not None
-            ep.handler(item.inbound)  # never under the lock: handlers send and write
+            if ep._admit(item.inbound):
+                ep.handler(item.inbound)  # never under the lock: handlers send and write
 
     def take(self, match: Callable[[_Item], bool]) -> _Item | None:
         """Remove and return the first queued item ``match`` accepts (replay and fault tests)."""
@@ -359,6 +373,31 @@ class Fabric:
             self._post_locked(peer, src.name, Inbound("completion", peer, tag=tag), faulty=False)
         return moved
 
+    def _read(
+        self, me: LoopbackEndpoint, peer: str, region: Region, segments: Sequence[Segment], notification: bytes,
+        tag: object,
+    ) -> int:  # fmt: skip
+        """One-sided read, synchronous: ``peer``'s bytes (``src`` offsets) land in ours (``dst``),
+        then ``peer`` is notified and we complete."""
+        with self._lock:
+            src = self._endpoints.get(peer)
+            if me.name in self._dead or peer in self._dead or src is None:
+                raise TransportError(f"read {peer}->{me.name}: peer is not reachable")
+        src_mv, dst_mv = src.region(region), me.region(region)
+        if src_mv is None or dst_mv is None:
+            raise TransportError(f"read {peer}->{me.name}: {region} region not registered on both ends")
+        if dst_mv.readonly:
+            raise TransportError(f"read {peer}->{me.name}: our {region} region is read-only")
+        moved = check_segments(segments, len(src_mv), len(dst_mv), f"read {peer}->{me.name} {region}")
+        for s in segments:
+            dst_mv[s.dst : s.dst + s.length] = src_mv[s.src : s.src + s.length]
+        with self._lock:
+            self.stats.bytes_written += moved
+            self.stats.segments += len(segments)
+            self._post_locked(me.name, peer, Inbound("notification", me.name, data=notification), faulty=True)
+            self._post_locked(peer, me.name, Inbound("completion", peer, tag=tag), faulty=False)
+        return moved
+
 
 class LoopbackEndpoint:
     """One (side, rank)'s attachment to a Fabric: both ports of kvfsm.transport.base.Endpoint."""
@@ -370,14 +409,61 @@ class LoopbackEndpoint:
         self._kv: memoryview | None = None
         self._aux: memoryview | None = None
         self._addr: dict[str, int] = {}
+        # attach_data: a separate data plane's descriptor and hooks (loopback as a control plane)
+        self._descriptor = b""
+        self._add_peer: AddPeer | None = None
+        self._remove_peer: RemovePeer | None = None
+        self._introduced: dict[str, bool] = {}  # peer -> its descriptor was accepted
+
+    def attach_data(self, descriptor: bytes, add_peer: AddPeer, remove_peer: RemovePeer) -> None:
+        """Use this endpoint as the control plane of another data plane: every peer's descriptor
+        reaches ``add_peer`` before its first message is delivered here."""
+        self._descriptor, self._add_peer, self._remove_peer = descriptor, add_peer, remove_peer
+
+    def _admit(self, item: Inbound) -> bool:
+        """Run the attached data plane's hooks for an inbound item; False drops it."""
+        if self._add_peer is None or item.kind not in ("message", "peer_lost"):
+            return True
+        peer = item.peer
+        if item.kind == "peer_lost":
+            self._introduced[peer] = False
+            assert self._remove_peer is not None
+            self._remove_peer(peer)
+            return True
+        known = self._introduced.get(peer)
+        if known is None:
+            other = self.fabric._endpoints.get(peer)
+            try:
+                self._add_peer(peer, other._descriptor if other is not None else b"")
+                known = True
+            except TransportError as exc:
+                log.warning("%s: refused descriptor of %s: %s", self.name, peer, exc)
+                known = False
+            self._introduced[peer] = known
+        if not known:
+            self.fabric.stats.counts["refused_peer"] = self.fabric.stats.counts.get("refused_peer", 0) + 1
+        return known
 
     def set_handler(self, handler: Handler) -> None:
         self.handler = handler
 
-    def register_memory(self, kv: memoryview, aux: memoryview) -> None:
-        self._kv = memoryview(kv).cast("B")
-        self._aux = memoryview(aux).cast("B")
+    def register_memory(self, kv: Any, aux: Any, *, kv_block: int = 0, aux_block: int = 0) -> None:
+        self._kv = _host_view(kv)
+        self._aux = _host_view(aux)
         self._addr = {"kv": _address(self._kv), "aux": _address(self._aux)}
+
+    def descriptor(self) -> bytes:
+        return b""  # the fabric knows every endpoint's memory
+
+    def add_peer(self, peer: str, descriptor: bytes) -> None:
+        if descriptor:
+            raise TransportError(f"loopback peers carry no descriptor ({len(descriptor)} bytes from {peer!r})")
+
+    def remove_peer(self, peer: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def region(self, region: Region) -> memoryview | None:
         if region == "kv":
@@ -396,10 +482,23 @@ class LoopbackEndpoint:
     def write(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self.fabric._write(self, peer, region, segments, notification, tag)
 
+    def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
+        return self.fabric._read(self, peer, region, segments, notification, tag)
+
     def inject(self, peer: str, inbound: Inbound) -> None:
         """Test hook: queue an arbitrary inbound item for this endpoint as if ``peer`` sent it."""
         with self.fabric._lock:
             self.fabric._enqueue(_Item(peer, self.name, inbound))
+
+
+def _host_view(buf: Any) -> memoryview:
+    """Bytes of a host buffer: anything with the buffer protocol, or a CPU tensor."""
+    if hasattr(buf, "data_ptr"):
+        region = as_region(buf)
+        if region.mem != "DRAM":
+            raise TransportError(f"loopback moves host memory only, not {region.mem}")
+        return region.view()
+    return memoryview(buf).cast("B")
 
 
 def _address(mv: memoryview) -> int:

@@ -1,0 +1,406 @@
+"""bench/transfer.py: kvfsm over NIXL against raw NIXL, two processes, the same bytes and descriptors.
+
+Two processes (spawned): an initiator (prefill) and a target (decode), each with one buffer of
+the same size, on DRAM (or VRAM with ``--device cuda``). For every case (chunk size × layout) the
+run measures, one after the other in the same processes:
+
+  raw    one NIXL agent per process (UCX, no progress thread, exactly as the kvfsm data plane
+         sets it up), metadata exchanged over a pipe, both buffers prepared as page-granular
+         descriptor lists once; per chunk: make the transfer (the same descriptors kvfsm posts:
+         prepped page indices, or one exact range for a long contiguous run), post it with a
+         notification, poll until DONE, release. The target polls notifications meanwhile.
+  kvfsm  the full stack: PrefillManager / DecodeManager over ZMQ control + NIXL data planes,
+         rooms announced by decode first; timed from the first ``send()`` to the moment every
+         prefill room reports Success (every write completed), with the runtime's 2 transfer
+         workers. Decode then checks every byte of every room.
+
+Layouts: ``contig`` (a chunk's pages are adjacent on both sides: one descriptor per chunk) and
+``scattered`` (destination pages in reverse order: one descriptor per page). Figures are GB/s
+(1e9 bytes moved once per second), the median of ``--reps`` repetitions; ratio = kvfsm / raw.
+
+Writes JSON (default bench/results/transfer.json). ``--check`` exits 1 if kvfsm falls below
+0.9x raw NIXL for any contiguous case with chunks >= 1 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PAGE = 4096
+AUX = 64
+MiB = 1 << 20
+SIZES = [4 << 10, 64 << 10, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+QUICK_SIZES = [64 << 10, 1 * MiB, 4 * MiB]
+
+
+def plan(size: int, budget: int) -> tuple[int, int]:
+    """(rooms, chunks per room) moving about ``budget`` bytes in chunks of ``size`` (at least 4)."""
+    n = max(4, min(256, budget // size))
+    rooms = min(n, 16)
+    return rooms, max(1, n // rooms)
+
+
+def cases(sizes: list[int], budget: int) -> list[dict[str, Any]]:
+    out = []
+    for s in sizes:
+        out.append({"size": s, "layout": "contig", "plan": plan(s, budget)})
+    for s in sizes:
+        if 64 << 10 <= s <= 16 * MiB:
+            out.append({"size": s, "layout": "scattered", "plan": plan(s, budget)})
+    return out
+
+
+def pages_of(case: dict[str, Any], room: int, chunk: int, side: str) -> list[int]:
+    size, layout = case["size"], case["layout"]
+    rooms, chunks = case["plan"]
+    per = size // PAGE
+    base = (room * chunks + chunk) * per
+    pages = list(range(base, base + per))
+    return pages[::-1] if side == "decode" and layout == "scattered" else pages
+
+
+def _buffer(nbytes: int, device: str, seed: int | None) -> Any:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    if seed is None:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).to(device)
+
+
+# ------------------------------------------------------------------------------------- raw NIXL
+
+
+def _raw_agent(name: str, params: dict[str, str]) -> Any:
+    from kvfsm.transport.nixl import load_nixl
+
+    agent_cls, config_cls, _ = load_nixl()
+    agent = agent_cls(name, config_cls(enable_prog_thread=False, backends=[]))
+    agent.create_backend("UCX", params)
+    return agent
+
+
+def _prep(agent: Any, who: str, addr: int, like: Any) -> Any:
+    """A page-granular prepared list over ``addr`` (a buffer shaped and placed like ``like``)."""
+    mem = "VRAM" if like.is_cuda else "DRAM"
+    rows = np.array([[addr, PAGE, like.device.index or 0, PAGE, like.numel() // PAGE]], dtype=np.uint64)
+    return agent.prep_xfer_dlist(who, rows, mem)
+
+
+def raw_chunk(agent: Any, lp: Any, rp: Any, src: Any, dst_addr: int, peer: str, sp: list[int], dp: list[int]) -> Any:
+    """Make one transfer with the descriptors kvfsm's data plane would post for these pages."""
+    from kvfsm.runtime.manager import coalesce
+    from kvfsm.transport.nixl import use_prepped
+
+    segs = coalesce(sp, dp, PAGE)
+    if use_prepped(len(segs), len(sp)):
+        return agent.make_prepped_xfer(
+            "WRITE", lp, np.asarray(sp, dtype=np.int32), rp, np.asarray(dp, dtype=np.int32), b"raw"
+        )
+    mem = "VRAM" if src.is_cuda else "DRAM"
+    dev = src.device.index or 0
+    ld = agent.get_xfer_descs([(src.data_ptr() + s.src, s.length, dev) for s in segs], mem)
+    rd = agent.get_xfer_descs([(dst_addr + s.dst, s.length, dev) for s in segs], mem)
+    return agent.initialize_xfer("WRITE", ld, rd, peer, b"raw")
+
+
+def raw_initiator(conn: Any, src: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int) -> None:
+    agent = _raw_agent("raw-p", params)
+    agent.register_memory(src)
+    conn.send(agent.get_agent_metadata())
+    md, dst_addr = conn.recv()
+    agent.add_remote_agent(md)
+    lp = _prep(agent, "NIXL_INIT_AGENT", src.data_ptr(), src)
+    rp = _prep(agent, "raw-d", dst_addr, src)
+    for case in all_cases:
+        rooms, chunks = case["plan"]
+        times = []
+        for _ in range(reps + 1):  # the first repetition warms up
+            conn.send("go")
+            conn.recv()
+            t0 = time.perf_counter()
+            for r in range(rooms):
+                for c in range(chunks):
+                    h = raw_chunk(
+                        agent,
+                        lp,
+                        rp,
+                        src,
+                        dst_addr,
+                        "raw-d",
+                        pages_of(case, r, c, "prefill"),
+                        pages_of(case, r, c, "decode"),
+                    )
+                    agent.transfer(h)
+                    while agent.check_xfer_state(h) != "DONE":
+                        pass
+                    agent.release_xfer_handle(h)
+            times.append(time.perf_counter() - t0)
+            conn.send(rooms * chunks)
+            if conn.recv() != rooms * chunks:
+                raise RuntimeError("raw NIXL: the target counted a different number of notifications")
+        case["raw_seconds"] = statistics.median(times[1:])
+    conn.send("done")
+
+
+def raw_target(conn: Any, dst: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int) -> None:
+    agent = _raw_agent("raw-d", params)
+    agent.register_memory(dst)
+    md = conn.recv()
+    agent.add_remote_agent(md)
+    conn.send((agent.get_agent_metadata(), dst.data_ptr()))
+    got = 0
+    while True:
+        if conn.poll():
+            msg = conn.recv()
+            if msg == "done":
+                return
+            if msg == "go":
+                got = 0
+                conn.send("ready")
+            else:  # the initiator finished posting `msg` transfers: wait for their notifications
+                while got < msg:
+                    got += sum(len(v) for v in agent.get_new_notifs().values())
+                conn.send(got)
+        got += sum(len(v) for v in agent.get_new_notifs().values())
+
+
+# ------------------------------------------------------------------------------------- kvfsm
+
+
+def _kvfsm_endpoint(name: str, side: str, bootstrap: str, params: dict[str, str]) -> Any:
+    from kvfsm.transport.base import SplitEndpoint
+    from kvfsm.transport.nixl import NixlDataPlane
+    from kvfsm.transport.zmq import ZmqControlPlane
+
+    return SplitEndpoint(
+        ZmqControlPlane(name, bootstrap=bootstrap, side=side, rank=0), NixlDataPlane(name, backend_params=params)
+    )
+
+
+def _wait_all(handles: list[Any], code: int, limit: float = 120.0) -> None:
+    """Poll every room until all report KVPoll ``code``."""
+    deadline = time.monotonic() + limit
+    while not all(h.poll() == code for h in handles):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench: rooms did not all reach KVPoll {code}")
+        time.sleep(0.00005)
+
+
+def kvfsm_initiator(
+    conn: Any, src: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int, boot: str
+) -> None:
+    from kvfsm.protocol import KVPoll
+    from kvfsm.runtime import PrefillManager, RuntimeConfig
+
+    aux = _buffer(16 * AUX, "cpu", 1)
+    ep = _kvfsm_endpoint("bench-p", "prefill", boot, params)
+    cfg = RuntimeConfig(workers=2, timeouts={"transfer": 60.0, "hold": 60.0, "bootstrap": 60.0, "input": 60.0})
+    mgr = PrefillManager(0, ep, kv=src, aux=aux, page_bytes=PAGE, aux_slot_bytes=AUX, config=cfg)
+    conn.send("ready")
+    room_id = 0
+    descriptors = 0
+    for case in all_cases:
+        rooms, chunks = case["plan"]
+        times = []
+        for _ in range(reps + 1):
+            ids = list(range(room_id, room_id + rooms))
+            room_id += rooms
+            senders = [mgr.create_sender(rid) for rid in ids]
+            conn.send(ids)
+            _wait_all(senders, KVPoll.WaitingForInput)  # decode announced
+            t0 = time.perf_counter()
+            for c in range(chunks):
+                for r, s in enumerate(senders):
+                    last = c == chunks - 1
+                    s.send(pages_of(case, r, c, "prefill"), is_last=last, aux_slot=r if last else None)
+            _wait_all(senders, KVPoll.Success)
+            times.append(time.perf_counter() - t0)
+            for s in senders:
+                s.clear()
+            ok = conn.recv()
+            if not ok:
+                raise RuntimeError(f"decode found mismatched bytes in case {case}")
+        case["kvfsm_seconds"] = statistics.median(times[1:])
+        total = mgr.stats()["counters"].get("descriptors", 0)
+        case["kvfsm_descriptors_per_chunk"] = (total - descriptors) / ((reps + 1) * rooms * chunks)
+        descriptors = total
+    conn.send(None)
+    conn.recv()
+    mgr.close()
+    ep.close()
+
+
+def _same_pages(dst: Any, src: Any, sp: list[int], dp: list[int]) -> bool:
+    import torch
+
+    s = torch.as_tensor(sp, device=src.device) * PAGE
+    d = torch.as_tensor(dp, device=dst.device) * PAGE
+    idx = torch.arange(PAGE, device=src.device)
+    return bool(torch.equal(dst[(d[:, None] + idx).flatten()], src[(s[:, None] + idx).flatten()]))
+
+
+# ------------------------------------------------------------------------------------- processes
+
+
+def _initiator(parent: Any, conn: Any, nbytes: int, device: str, params: dict[str, str], all_cases: Any,
+               reps: int, boot: str) -> None:  # fmt: skip
+    src = _buffer(nbytes, device, 7)
+    raw_initiator(conn, src, params, all_cases, reps)
+    kvfsm_initiator(conn, src, params, all_cases, reps, boot)
+    parent.send(all_cases)
+
+
+def _target(conn: Any, nbytes: int, device: str, params: dict[str, str], all_cases: Any, reps: int,
+            boot: str) -> None:  # fmt: skip
+    dst = _buffer(nbytes, device, None)
+    raw_target(conn, dst, params, all_cases, reps)
+    expected = _buffer(nbytes, device, 7)
+    dst.zero_()
+    kvfsm_target(conn, dst, expected, params, all_cases, reps, boot)
+
+
+def kvfsm_target(
+    conn: Any, dst: Any, expected: Any, params: dict[str, str], all_cases: Any, reps: int, boot: str
+) -> None:
+    """Decode side: announce pages for each batch of rooms the initiator names, verify, clear."""
+    from kvfsm.protocol import KVPoll
+    from kvfsm.runtime import DecodeManager, RuntimeConfig
+    from kvfsm.transport.zmq import BootstrapClient
+
+    aux = _buffer(16 * AUX, "cpu", None)
+    ep = _kvfsm_endpoint("bench-d", "decode", boot, params)
+    client = BootstrapClient(boot)
+    client.wait_for(["bench-p"], timeout_s=60)
+    client.close()
+    cfg = RuntimeConfig(workers=0, timeouts={"transfer": 60.0, "bootstrap": 60.0, "fence": 60.0})
+    mgr = DecodeManager(
+        0, ep, prefill_peers={0: "bench-p"}, kv=dst, aux=aux, page_bytes=PAGE, aux_slot_bytes=AUX, config=cfg
+    )
+    mgr.connect()
+    conn.recv()  # the initiator's manager exists
+    for case in all_cases:
+        rooms, chunks = case["plan"]
+        for _ in range(reps + 1):
+            ids = conn.recv()
+            recv = [mgr.create_receiver(rid) for rid in ids]
+            _wait_all(recv, KVPoll.WaitingForInput)
+            for r, rc in enumerate(recv):
+                rc.init([p for c in range(chunks) for p in pages_of(case, r, c, "decode")], r)
+            _wait_all(recv, KVPoll.Success)
+            ok = all(
+                _same_pages(dst, expected, pages_of(case, r, c, "prefill"), pages_of(case, r, c, "decode"))
+                for r in range(rooms)
+                for c in range(chunks)
+            )
+            for rc in recv:
+                rc.clear()
+            dst.zero_()
+            conn.send(ok)
+    conn.recv()  # None: the initiator is done
+    conn.send("bye")
+    mgr.close()
+    ep.close()
+
+
+def run(
+    sizes: list[int], budget: int, reps: int, device: str, target_device: str, params: dict[str, str]
+) -> list[dict[str, Any]]:
+    from kvfsm.transport.zmq import BootstrapServer
+
+    all_cases = cases(sizes, budget)
+    nbytes = max(c["size"] * c["plan"][0] * c["plan"][1] for c in all_cases)
+    server = BootstrapServer()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    a, b = ctx.Pipe()
+    procs = [
+        ctx.Process(target=_initiator, args=(child, a, nbytes, device, params, all_cases, reps, server.address)),
+        ctx.Process(target=_target, args=(b, nbytes, target_device, params, all_cases, reps, server.address)),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        if not parent.poll(600):
+            raise TimeoutError("bench/transfer.py: the initiator reported nothing within 600 s")
+        measured: list[dict[str, Any]] = parent.recv()
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        server.close()
+    for c in measured:
+        moved = c["size"] * c["plan"][0] * c["plan"][1]
+        c["bytes"] = moved
+        c["transfers"] = c["plan"][0] * c["plan"][1]
+        c["descriptors_per_transfer"] = 1 if c["layout"] == "contig" else c["size"] // PAGE
+        c["raw_gbps"] = moved / c["raw_seconds"] / 1e9
+        c["kvfsm_gbps"] = moved / c["kvfsm_seconds"] / 1e9
+        c["ratio"] = c["kvfsm_gbps"] / c["raw_gbps"]
+    return measured
+
+
+def table(measured: list[dict[str, Any]]) -> str:
+    rows = ["| chunk | layout | descriptors/chunk | chunks | raw NIXL GB/s | kvfsm GB/s | kvfsm / raw |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in measured:
+        size = f"{c['size'] >> 20} MiB" if c["size"] >= MiB else f"{c['size'] >> 10} KiB"
+        rows.append(
+            f"| {size} | {c['layout']} | {c['descriptors_per_transfer']} | {c['transfers']} | "
+            f"{c['raw_gbps']:.2f} | {c['kvfsm_gbps']:.2f} | {c['ratio']:.2f} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--out", default="bench/results/transfer.json")
+    ap.add_argument("--quick", action="store_true", help="a few small sizes (tests)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--budget-mib", type=int, default=256, help="bytes per case, roughly")
+    ap.add_argument("--device", default="cpu", help="initiator's buffer: cpu (DRAM) or cuda[:N] (VRAM)")
+    ap.add_argument("--target-device", default=None, help="target's buffer (default: the same as --device)")
+    ap.add_argument("--ucx", action="append", default=[], help="UCX backend parameter KEY=VALUE")
+    ap.add_argument("--check", action="store_true", help="exit 1 if kvfsm < 0.9x raw for contiguous chunks >= 1 MiB")
+    args = ap.parse_args(argv)
+    params = dict(kv.split("=", 1) for kv in args.ucx)
+    sizes = QUICK_SIZES if args.quick else SIZES
+    budget = (16 if args.quick else args.budget_mib) * MiB
+    target = args.target_device or args.device
+    measured = run(sizes, budget, 1 if args.quick else args.reps, args.device, target, params)
+    goal = [c for c in measured if c["layout"] == "contig" and c["size"] >= MiB]
+    result = {
+        "bench": "transfer",
+        "device": args.device,
+        "target_device": target,
+        "ucx_params": params,
+        "cases": measured,
+        "goal": {
+            "kvfsm_ge_0.9x_raw_for_chunks_ge_1MiB": all(c["ratio"] >= 0.9 for c in goal),
+            "worst_ratio_ge_1MiB": min((c["ratio"] for c in goal), default=None),
+        },
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(table(measured))
+    print(json.dumps(result["goal"]))
+    return 1 if args.check and not result["goal"]["kvfsm_ge_0.9x_raw_for_chunks_ge_1MiB"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
