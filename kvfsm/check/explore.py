@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvfsm.check.model import CheckConfig, Label, Model, State, sources_of
 from kvfsm.check.properties import load_properties, stuck_rooms
 
@@ -98,10 +100,10 @@ def explore(
     offsets = array("q", [0])
     found: list[tuple[str, int, bool, str]] = []  # (property, state id, on an edge from it, detail)
     violated: set[str] = set()
-    successors = model.successors
+    expand = model.expand
     witnessed = res.witnessed
-    seen_get, add_parent, enqueue, add_edge = seen.get, parent.append, queue.append, dst.append
-    expanded, level_end, depth, edges = 0, 1, 0, 0
+    seen_setdefault, add_parent, enqueue, add_edge = seen.setdefault, parent.append, queue.append, dst.append
+    expanded, level_end, depth, edges, nseen = 0, 1, 0, 0, 1
     stopped = False
     while queue and not stopped:
         state = queue.popleft()
@@ -109,25 +111,15 @@ def explore(
         expanded += 1
         if sid == level_end:  # breadth first: ids of one depth are contiguous
             depth += 1
-            level_end = len(seen)
-        succs = successors(state)
+            level_end = nseen
+        succs, noted = expand(state)
         edges += len(succs)
-        before = len(seen)
-        budget, landed = state[1], state[2].bit_count()
-        for _label, nxt, notes in succs:
-            if canon is not None:
-                nxt = canon(nxt)
-            fp = hash(nxt)
-            target = seen_get(fp)
-            if target is None:
-                seen[fp] = target = len(seen)
-                add_parent(sid)
-                enqueue(nxt)
-            # budgets never grow and landed writes never unland: only an edge that keeps both can
-            # lie on a cycle, so only those are kept for the cycle check
-            if cycles and nxt[1] == budget and nxt[2].bit_count() == landed:
-                add_edge(target)
-            if notes:
+        before = nseen
+        budget, landed = state[1], state[2]
+        if canon is not None:
+            succs = [canon(nxt) for nxt in succs]
+        if noted:
+            for i, notes in noted:
                 for note in notes:
                     if note[0] == "~":
                         witnessed[note[1:]] = True
@@ -136,8 +128,20 @@ def explore(
                         found.append((note[1:], sid, True, ""))
                 if found and stop_at_first:
                     stopped = True
+                    succs = succs[: i + 1]  # as if exploring stopped right after that edge
                     break
-        if len(seen) > before and depth + 1 > res.max_depth:
+        for nxt in succs:
+            target = seen_setdefault(hash(nxt), nseen)
+            if target == nseen:  # a new state
+                nseen += 1
+                add_parent(sid)
+                enqueue(nxt)
+            # budgets never grow and landed writes never unland (the landed set only gains bits,
+            # so an equal mask means nothing landed): only an edge that keeps both can lie on a
+            # cycle, so only those are kept for the cycle check
+            if cycles and nxt[1] == budget and nxt[2] == landed:
+                add_edge(target)
+        if nseen > before and depth + 1 > res.max_depth:
             res.max_depth = depth + 1
         if cycles:
             offsets.append(len(dst))
@@ -147,9 +151,9 @@ def explore(
                 violated.add("no_stuck_room")
                 found.append(("no_stuck_room", sid, False, "; ".join(stuck)))
                 stopped = stop_at_first
-        if progress is not None and len(seen) % 20000 < len(succs) + 1:
-            progress(len(seen), edges, depth)
-        if max_states is not None and len(seen) >= max_states:
+        if progress is not None and nseen % 20000 < len(succs) + 1:
+            progress(nseen, edges, depth)
+        if max_states is not None and nseen >= max_states:
             break
     res.complete = not queue and not stopped
     res.distinct_states = len(seen)
@@ -200,24 +204,32 @@ def _trace(
 
 
 def _find_cycle(offsets: array[int], dst: array[int]) -> int | None:
-    """Kahn's topological sort over the recorded edges; returns a node left on a cycle, or None."""
+    """Kahn's topological sort over the recorded edges (CSR: node u's targets are
+    ``dst[offsets[u]:offsets[u + 1]]``), peeling every node of in-degree 0 at once per round with
+    numpy; returns a node left on a cycle, or None."""
     n = len(offsets) - 1
-    indeg = array("i", bytes(4 * n))
-    for v in dst:
-        indeg[v] += 1
-    ready = [v for v in range(n) if indeg[v] == 0]
+    if n <= 0:
+        return None
+    off = np.frombuffer(offsets, dtype=np.int64)
+    targets = np.frombuffer(dst, dtype=np.int64)
+    indeg = np.bincount(targets, minlength=n)
+    frontier = np.flatnonzero(indeg == 0)
     removed = 0
-    while ready:
-        u = ready.pop()
-        removed += 1
-        for k in range(offsets[u], offsets[u + 1]):
-            v = dst[k]
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                ready.append(v)
+    while frontier.size:
+        removed += frontier.size
+        starts, counts = off[frontier], off[frontier + 1] - off[frontier]
+        total = int(counts.sum())
+        if not total:
+            break
+        # the out-edges of every frontier node, gathered without a Python loop
+        shift = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+        hit = targets[shift + np.arange(total)]
+        dec = np.bincount(hit, minlength=n)
+        indeg -= dec
+        frontier = np.flatnonzero((dec > 0) & (indeg == 0))
     if removed == n:
         return None
-    return next(v for v in range(n) if indeg[v] > 0)
+    return int(np.flatnonzero(indeg > 0)[0])
 
 
 def _label_json(label: Label) -> list[Any]:

@@ -456,27 +456,55 @@ class Model:
     # ------------------------------------------------------------------ successors
 
     def successors(self, state: State) -> list[tuple[Label, State, tuple[str, ...]]]:
-        """Every transition from ``state``: (label, next state, notes), in a fixed order.
+        """Every transition from ``state``: (label, next state, notes), in a fixed order."""
+        labels: list[Label] = []
+        states, noted = self.expand(state, labels)
+        notes_at = dict(noted)
+        return [(labels[i], nxt, notes_at.get(i, ())) for i, nxt in enumerate(states)]
+
+    def expand(
+        self, state: State, labels: list[Label] | None = None
+    ) -> tuple[list[State], list[tuple[int, tuple[str, ...]]]]:
+        """The next states of ``state`` in ``successors``' order, and (index, notes) for those edges
+        that carry notes; with ``labels``, each edge's label is appended to it.
 
         The fast path: the effects of the state's control part (memoised), applied with a few
-        table look-ups per successor."""
+        table look-ups per successor. The explorer calls this directly: no label or note tuple
+        is built per edge."""
         ctrl = state[0]
         memo = self.memo
-        groups = [(self._engine.get(ctrl) if memo else None) or self._engine_effects(ctrl)]
-        per_item = self._per_item.get(ctrl)
-        if per_item is None:
-            per_item = self._per_item[ctrl] = {}
-        heads = self._heads
-        for pos in range(3, len(state)):
-            for iid in heads[state[pos]]:
-                groups.append((per_item.get(iid) if memo else None) or self._item_effects(ctrl, iid))
+        if memo:
+            engine = self._engine.get(ctrl)
+            groups = [self._engine_effects(ctrl) if engine is None else engine]
+            per_item = self._per_item.get(ctrl)
+            if per_item is None:
+                per_item = self._per_item[ctrl] = {}
+            heads = self._heads
+            for pos in range(3, len(state)):
+                for iid in heads[state[pos]]:
+                    eff = per_item.get(iid)
+                    groups.append(self._item_effects(ctrl, iid) if eff is None else eff)
+        else:
+            groups = [self._engine_effects(ctrl)]
+            groups += [self._item_effects(ctrl, iid) for pos in range(3, len(state)) for iid in self._heads[state[pos]]]
         left = self._budget_left[state[1]]
         if left[CRASH]:
-            groups.append((self._crashes.get(ctrl) if memo else None) or self._crash_effects(ctrl))
-        out: list[tuple[Label, State, tuple[str, ...]]] = []
+            crash = self._crashes.get(ctrl) if memo else None
+            groups.append(self._crash_effects(ctrl) if crash is None else crash)
+        states: list[State] = []
+        noted: list[tuple[int, tuple[str, ...]]] = []
+        append = states.append
+        rest = state[2:]
         for effects in groups:
             for label, nctrl, budget, cost, net, notes, rare in effects:
                 if budget >= 0 and not left[budget]:
+                    continue
+                if not net and rare is None:  # the common case: only the control part changes
+                    if notes:
+                        noted.append((len(states), notes))
+                    if labels is not None:
+                        labels.append(label)
+                    append((nctrl, state[1] - cost) + rest)
                     continue
                 nxt = list(state)
                 nxt[0] = nctrl
@@ -490,8 +518,12 @@ class Model:
                     if sid is None:
                         sid = table[nxt[pos]] = self._apply_delta(nxt[pos], did)
                     nxt[pos] = sid
-                out.append((label, tuple(nxt), notes))
-        return out
+                if notes:
+                    noted.append((len(states), notes))
+                if labels is not None:
+                    labels.append(label)
+                append(tuple(nxt))
+        return states, noted
 
     def _rare(
         self, state: State, nxt: list[int], rare: tuple[Any, ...], notes: tuple[str, ...]
@@ -499,14 +531,17 @@ class Model:
         """The parts of an effect that read the network or the landed set, or crash a node; None:
         the effect is not enabled here (a fence timer while data of the room is in flight)."""
         fence, landing, required, slow = rare
-        if fence is not None and any(fence in self._touched[sid] for sid in state[3:]):
-            return None
+        if fence is not None:
+            touched = self._touched
+            for sid in state[3:]:
+                if fence in touched[sid]:
+                    return None
         if landing is not None or required:
             notes = self._landed_notes(state[2], landing, required, notes)
             if landing is not None:
                 nxt[2] = state[2] | landing[0]
         if slow is not None:
-            nxt[3:] = self._apply_slow(tuple(state[3:]), slow)
+            nxt[3:] = self._apply_slow(state[3:], slow)
         return notes
 
     @staticmethod

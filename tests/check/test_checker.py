@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from array import array
 from dataclasses import replace
 from pathlib import Path
 
@@ -173,3 +174,31 @@ def test_cli_smoke_preset_passes_and_lists_mutants() -> None:
     assert json.loads(p.stdout)["distinct_states"] == 216 and json.loads(p.stdout)["symmetry"] is False
     p = _kvfsm("check", "--list-mutants")
     assert p.returncode == 0 and all(name in p.stdout for name in MUTANTS)
+
+
+def _csr(n: int, edges: list[tuple[int, int]]) -> tuple[array[int], array[int]]:
+    offsets, dst = array("q", [0]), array("q")
+    for u in range(n):
+        dst.extend(v for a, v in edges if a == u)
+        offsets.append(len(dst))
+    return offsets, dst
+
+
+@pytest.mark.parametrize(
+    ("n", "edges", "on_cycle"),
+    [
+        (5, [(0, 1), (1, 2), (0, 2), (2, 3), (3, 4)], None),  # a DAG with a diamond
+        (4, [(0, 1), (1, 2), (2, 1), (2, 3)], {1, 2, 3}),  # 1 <-> 2, and 3 hangs off the cycle
+        (3, [(0, 0), (1, 2)], {0}),  # a self-loop
+        (1, [], None),
+    ],
+)
+def test_cycle_check_finds_exactly_the_cyclic_graphs(
+    n: int, edges: list[tuple[int, int]], on_cycle: set[int] | None
+) -> None:
+    from kvfsm.check.explore import _find_cycle
+
+    found = _find_cycle(*_csr(n, edges))
+    assert (found is None) == (on_cycle is None)
+    if on_cycle is not None:
+        assert found in on_cycle
