@@ -1,22 +1,26 @@
 """bench/transfer.py: kvfsm over NIXL against raw NIXL, two processes, the same bytes and descriptors.
 
 Two processes (spawned): an initiator (prefill) and a target (decode), each with one buffer of
-the same size, on DRAM (or VRAM with ``--device cuda``). For every case (chunk size × layout) the
-run measures, one after the other in the same processes:
+the same size, on DRAM (``--device cpu``) or VRAM (``--device cuda:0 --target-device cuda:1``).
+For every case (chunk size x layout) the run measures, one after the other in the same processes:
 
-  raw    one NIXL agent per process (UCX, no progress thread, exactly as the kvfsm data plane
-         sets it up), metadata exchanged over a pipe, both buffers prepared as page-granular
-         descriptor lists once; per chunk: make the transfer (the same descriptors kvfsm posts:
-         prepped page indices, or one exact range for a long contiguous run), post it with a
-         notification, poll until DONE, release. The target polls notifications meanwhile.
-  kvfsm  the full stack: PrefillManager / DecodeManager over ZMQ control + NIXL data planes,
-         rooms announced by decode first; timed from the first ``send()`` to the moment every
-         prefill room reports Success (every write completed), with the runtime's 2 transfer
-         workers. Decode then checks every byte of every room.
+  raw    one NIXL agent per process (UCX, no progress thread, as the kvfsm data plane sets it
+         up), metadata exchanged over a pipe. Before the clock starts, each chunk's descriptors
+         are built exactly as kvfsm's data plane would post them (one byte range per contiguous
+         run, or block indices into page-granular lists prepared once for scattered pages);
+         timed per chunk: make the transfer, post it with a notification, poll until DONE,
+         release. The target polls notifications meanwhile.
+  kvfsm  the full stack: PrefillManager / DecodeManager over ZMQ control + NIXL data planes
+         (one manager pair per page size), rooms announced by decode first, one transfer
+         worker; timed from the first ``send()`` (page lists built beforehand, as an engine
+         holds them) until every prefill room reports Success (every write completed, aux
+         included). Decode then checks every byte of every room.
 
-Layouts: ``contig`` (a chunk's pages are adjacent on both sides: one descriptor per chunk) and
-``scattered`` (destination pages in reverse order: one descriptor per page). Figures are GB/s
-(1e9 bytes moved once per second), the median of ``--reps`` repetitions; ratio = kvfsm / raw.
+Layouts: ``contig`` (a chunk is adjacent 64 KiB pages on both sides: one descriptor per chunk)
+and ``scattered`` (4 KiB pages, destination pages in reverse order: one descriptor per page).
+Figures are GB/s (1e9 bytes moved once per second), the median of ``--reps`` repetitions;
+ratio = kvfsm / raw. ``*_post_seconds`` is the time spent inside NIXL's post over all
+repetitions (on CPU memory UCX copies the bytes there).
 
 Writes JSON (default bench/results/transfer.json). ``--check`` exits 1 if kvfsm falls below
 0.9x raw NIXL for any contiguous case with chunks >= 1 MiB.
@@ -37,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-PAGE = 4096
+PAGE = 4096  # scattered layouts: one descriptor per 4 KiB page
+CONTIG_PAGE = 64 << 10  # contiguous layouts: a KV page of 64 KiB (e.g. 64 tokens x 8 heads x 128 x bf16)
 AUX = 64
 MiB = 1 << 20
 SIZES = [4 << 10, 64 << 10, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
@@ -54,17 +59,17 @@ def plan(size: int, budget: int) -> tuple[int, int]:
 def cases(sizes: list[int], budget: int) -> list[dict[str, Any]]:
     out = []
     for s in sizes:
-        out.append({"size": s, "layout": "contig", "plan": plan(s, budget)})
+        out.append({"size": s, "layout": "contig", "page": min(s, CONTIG_PAGE), "plan": plan(s, budget)})
     for s in sizes:
         if 64 << 10 <= s <= 16 * MiB:
-            out.append({"size": s, "layout": "scattered", "plan": plan(s, budget)})
+            out.append({"size": s, "layout": "scattered", "page": PAGE, "plan": plan(s, budget)})
     return out
 
 
 def pages_of(case: dict[str, Any], room: int, chunk: int, side: str) -> list[int]:
     size, layout = case["size"], case["layout"]
     rooms, chunks = case["plan"]
-    per = size // PAGE
+    per = size // case["page"]
     base = (room * chunks + chunk) * per
     pages = list(range(base, base + per))
     return pages[::-1] if side == "decode" and layout == "scattered" else pages
@@ -93,66 +98,75 @@ def _raw_agent(name: str, params: dict[str, str]) -> Any:
     return agent
 
 
-def _prep(agent: Any, who: str, addr: int, like: Any) -> Any:
-    """A page-granular prepared list over ``addr`` (a buffer shaped and placed like ``like``)."""
-    mem = "VRAM" if like.is_cuda else "DRAM"
-    rows = np.array([[addr, PAGE, like.device.index or 0, PAGE, like.numel() // PAGE]], dtype=np.uint64)
+def _prep(agent: Any, who: str, addr: int, nbytes: int, mem: str, dev: int) -> Any:
+    """A page-granular prepared list over ``nbytes`` at ``addr``."""
+    rows = np.array([[addr, PAGE, dev, PAGE, nbytes // PAGE]], dtype=np.uint64)
     return agent.prep_xfer_dlist(who, rows, mem)
 
 
-def raw_chunk(agent: Any, lp: Any, rp: Any, src: Any, dst_addr: int, peer: str, sp: list[int], dp: list[int]) -> Any:
-    """Make one transfer with the descriptors kvfsm's data plane would post for these pages."""
+def _placement(buf: Any) -> tuple[str, int]:
+    return ("VRAM", buf.device.index or 0) if buf.is_cuda else ("DRAM", 0)
+
+
+def raw_descriptors(agent: Any, src: Any, dst: tuple[int, str, int], case: dict[str, Any]) -> list[Any]:
+    """Per chunk, the descriptors kvfsm's data plane would post for its pages (made before the
+    clock starts: a hand-written NIXL user prepares what it can): block indices into the prepared
+    page lists for many short runs, else descriptor lists of the exact byte ranges."""
     from kvfsm.runtime.manager import coalesce
     from kvfsm.transport.nixl import use_prepped
 
-    segs = coalesce(sp, dp, PAGE)
-    if use_prepped(len(segs), len(sp)):
-        return agent.make_prepped_xfer(
-            "WRITE", lp, np.asarray(sp, dtype=np.int32), rp, np.asarray(dp, dtype=np.int32), b"raw"
-        )
-    mem = "VRAM" if src.is_cuda else "DRAM"
-    dev = src.device.index or 0
-    ld = agent.get_xfer_descs([(src.data_ptr() + s.src, s.length, dev) for s in segs], mem)
-    rd = agent.get_xfer_descs([(dst_addr + s.dst, s.length, dev) for s in segs], mem)
-    return agent.initialize_xfer("WRITE", ld, rd, peer, b"raw")
+    rooms, chunks = case["plan"]
+    page = case["page"]
+    mem, dev = _placement(src)
+    dst_addr, dst_mem, dst_dev = dst
+    out = []
+    for r in range(rooms):
+        for c in range(chunks):
+            sp, dp = pages_of(case, r, c, "prefill"), pages_of(case, r, c, "decode")
+            segs = coalesce(sp, dp, page)
+            if page == PAGE and use_prepped(len(segs), len(sp)):
+                out.append(("prepped", np.asarray(sp, dtype=np.int32), np.asarray(dp, dtype=np.int32)))
+            else:
+                ld = agent.get_xfer_descs([(src.data_ptr() + s.src, s.length, dev) for s in segs], mem)
+                rd = agent.get_xfer_descs([(dst_addr + s.dst, s.length, dst_dev) for s in segs], dst_mem)
+                out.append(("ranges", ld, rd))
+    return out
 
 
 def raw_initiator(conn: Any, src: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int) -> None:
     agent = _raw_agent("raw-p", params)
     agent.register_memory(src)
     conn.send(agent.get_agent_metadata())
-    md, dst_addr = conn.recv()
+    md, dst = conn.recv()
     agent.add_remote_agent(md)
-    lp = _prep(agent, "NIXL_INIT_AGENT", src.data_ptr(), src)
-    rp = _prep(agent, "raw-d", dst_addr, src)
+    lp = _prep(agent, "NIXL_INIT_AGENT", src.data_ptr(), src.numel(), *_placement(src))
+    rp = _prep(agent, "raw-d", dst[0], src.numel(), dst[1], dst[2])
     for case in all_cases:
         rooms, chunks = case["plan"]
+        descs = raw_descriptors(agent, src, dst, case)
         times = []
+        post = 0.0
         for _ in range(reps + 1):  # the first repetition warms up
             conn.send("go")
             conn.recv()
             t0 = time.perf_counter()
-            for r in range(rooms):
-                for c in range(chunks):
-                    h = raw_chunk(
-                        agent,
-                        lp,
-                        rp,
-                        src,
-                        dst_addr,
-                        "raw-d",
-                        pages_of(case, r, c, "prefill"),
-                        pages_of(case, r, c, "decode"),
-                    )
-                    agent.transfer(h)
-                    while agent.check_xfer_state(h) != "DONE":
-                        pass
-                    agent.release_xfer_handle(h)
+            for kind, a, b in descs:
+                if kind == "prepped":
+                    h = agent.make_prepped_xfer("WRITE", lp, a, rp, b, b"raw")
+                else:
+                    h = agent.initialize_xfer("WRITE", a, b, "raw-d", b"raw")
+                t_post = time.perf_counter()
+                agent.transfer(h)
+                post += time.perf_counter() - t_post
+                while agent.check_xfer_state(h) != "DONE":
+                    pass
+                agent.release_xfer_handle(h)
             times.append(time.perf_counter() - t0)
             conn.send(rooms * chunks)
             if conn.recv() != rooms * chunks:
                 raise RuntimeError("raw NIXL: the target counted a different number of notifications")
         case["raw_seconds"] = statistics.median(times[1:])
+        case["raw_post_seconds"] = post  # inside NIXL's post, over every repetition
     conn.send("done")
 
 
@@ -161,7 +175,7 @@ def raw_target(conn: Any, dst: Any, params: dict[str, str], all_cases: list[dict
     agent.register_memory(dst)
     md = conn.recv()
     agent.add_remote_agent(md)
-    conn.send((agent.get_agent_metadata(), dst.data_ptr()))
+    conn.send((agent.get_agent_metadata(), (dst.data_ptr(), *_placement(dst))))
     got = 0
     while True:
         if conn.poll():
@@ -187,34 +201,48 @@ def _kvfsm_endpoint(name: str, side: str, bootstrap: str, params: dict[str, str]
     from kvfsm.transport.zmq import ZmqControlPlane
 
     return SplitEndpoint(
-        ZmqControlPlane(name, bootstrap=bootstrap, side=side, rank=0), NixlDataPlane(name, backend_params=params)
+        ZmqControlPlane(name, bootstrap=bootstrap, side=side, rank=0),
+        NixlDataPlane(name, backend_params=params),
     )
 
 
 def _wait_all(handles: list[Any], code: int, limit: float = 120.0) -> None:
-    """Poll every room until all report KVPoll ``code``."""
+    """Poll every room until all report KVPoll ``code``, every 0.5 ms, as an engine's scheduler
+    loop would (a tighter loop only takes CPU from the copies on a small machine)."""
     deadline = time.monotonic() + limit
     while not all(h.poll() == code for h in handles):
         if time.monotonic() > deadline:
             raise TimeoutError(f"bench: rooms did not all reach KVPoll {code}")
-        time.sleep(0.00005)
+        time.sleep(0.0005)
 
 
 def kvfsm_initiator(
     conn: Any, src: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int, boot: str
 ) -> None:
+    """Prefill side: one manager per page size; per repetition, rooms announced by decode first,
+    then every chunk handed to ``send()`` (page lists built before the clock starts, as an engine
+    holds them), timed until every room reports Success."""
     from kvfsm.protocol import KVPoll
     from kvfsm.runtime import PrefillManager, RuntimeConfig
 
     aux = _buffer(16 * AUX, "cpu", 1)
-    ep = _kvfsm_endpoint("bench-p", "prefill", boot, params)
-    cfg = RuntimeConfig(workers=2, timeouts={"transfer": 60.0, "hold": 60.0, "bootstrap": 60.0, "input": 60.0})
-    mgr = PrefillManager(0, ep, kv=src, aux=aux, page_bytes=PAGE, aux_slot_bytes=AUX, config=cfg)
+    # one transfer worker: posts to one NIXL agent serialise on its lock anyway, and on a small
+    # machine a second worker only adds lock and GIL hand-offs between the copies
+    cfg = RuntimeConfig(workers=1, timeouts={"transfer": 60.0, "hold": 60.0, "bootstrap": 60.0, "input": 60.0})
+    managers: dict[int, tuple[Any, Any]] = {}
     conn.send("ready")
     room_id = 0
-    descriptors = 0
     for case in all_cases:
         rooms, chunks = case["plan"]
+        page = case["page"]
+        if page not in managers:
+            ep = _kvfsm_endpoint(f"bench-p-{page}", "prefill", boot, params)
+            mgr = PrefillManager(0, ep, kv=src, aux=aux, page_bytes=page, aux_slot_bytes=AUX, config=cfg)
+            managers[page] = (mgr, ep)
+        mgr, ep = managers[page]
+        chunk_pages = [[pages_of(case, r, c, "prefill") for r in range(rooms)] for c in range(chunks)]
+        descriptors = mgr.stats()["counters"].get("descriptors", 0)
+        posted = ep.data.stats["post_ns"]
         times = []
         for _ in range(reps + 1):
             ids = list(range(room_id, room_id + rooms))
@@ -224,32 +252,32 @@ def kvfsm_initiator(
             _wait_all(senders, KVPoll.WaitingForInput)  # decode announced
             t0 = time.perf_counter()
             for c in range(chunks):
+                last = c == chunks - 1
                 for r, s in enumerate(senders):
-                    last = c == chunks - 1
-                    s.send(pages_of(case, r, c, "prefill"), is_last=last, aux_slot=r if last else None)
+                    s.send(chunk_pages[c][r], is_last=last, aux_slot=r if last else None)
             _wait_all(senders, KVPoll.Success)
             times.append(time.perf_counter() - t0)
             for s in senders:
                 s.clear()
-            ok = conn.recv()
-            if not ok:
+            if not conn.recv():
                 raise RuntimeError(f"decode found mismatched bytes in case {case}")
         case["kvfsm_seconds"] = statistics.median(times[1:])
+        case["kvfsm_post_seconds"] = (ep.data.stats["post_ns"] - posted) / 1e9
         total = mgr.stats()["counters"].get("descriptors", 0)
         case["kvfsm_descriptors_per_chunk"] = (total - descriptors) / ((reps + 1) * rooms * chunks)
-        descriptors = total
     conn.send(None)
     conn.recv()
-    mgr.close()
-    ep.close()
+    for mgr, ep in managers.values():
+        mgr.close()
+        ep.close()
 
 
-def _same_pages(dst: Any, src: Any, sp: list[int], dp: list[int]) -> bool:
+def _same_pages(dst: Any, src: Any, sp: list[int], dp: list[int], page: int) -> bool:
     import torch
 
-    s = torch.as_tensor(sp, device=src.device) * PAGE
-    d = torch.as_tensor(dp, device=dst.device) * PAGE
-    idx = torch.arange(PAGE, device=src.device)
+    s = torch.as_tensor(sp, device=src.device) * page
+    d = torch.as_tensor(dp, device=dst.device) * page
+    idx = torch.arange(page, device=src.device)
     return bool(torch.equal(dst[(d[:, None] + idx).flatten()], src[(s[:, None] + idx).flatten()]))
 
 
@@ -282,27 +310,33 @@ def kvfsm_target(
     from kvfsm.transport.zmq import BootstrapClient
 
     aux = _buffer(16 * AUX, "cpu", None)
-    ep = _kvfsm_endpoint("bench-d", "decode", boot, params)
-    client = BootstrapClient(boot)
-    client.wait_for(["bench-p"], timeout_s=60)
-    client.close()
     cfg = RuntimeConfig(workers=0, timeouts={"transfer": 60.0, "bootstrap": 60.0, "fence": 60.0})
-    mgr = DecodeManager(
-        0, ep, prefill_peers={0: "bench-p"}, kv=dst, aux=aux, page_bytes=PAGE, aux_slot_bytes=AUX, config=cfg
-    )
-    mgr.connect()
-    conn.recv()  # the initiator's manager exists
+    client = BootstrapClient(boot)
+    managers: dict[int, tuple[Any, Any]] = {}
+    conn.recv()  # the initiator is ready
     for case in all_cases:
         rooms, chunks = case["plan"]
+        page = case["page"]
+        if page not in managers:
+            peer = f"bench-p-{page}"
+            ep = _kvfsm_endpoint(f"bench-d-{page}", "decode", boot, params)
+            mgr = DecodeManager(
+                0, ep, prefill_peers={0: peer}, kv=dst, aux=aux, page_bytes=page, aux_slot_bytes=AUX, config=cfg
+            )
+            managers[page] = (mgr, ep)
+            client.wait_for([peer], timeout_s=60)  # the initiator registered it before this case
+            mgr.connect()
+        mgr, _ = managers[page]
+        dst_pages = [[p for c in range(chunks) for p in pages_of(case, r, c, "decode")] for r in range(rooms)]
         for _ in range(reps + 1):
             ids = conn.recv()
             recv = [mgr.create_receiver(rid) for rid in ids]
             _wait_all(recv, KVPoll.WaitingForInput)
             for r, rc in enumerate(recv):
-                rc.init([p for c in range(chunks) for p in pages_of(case, r, c, "decode")], r)
+                rc.init(dst_pages[r], r)
             _wait_all(recv, KVPoll.Success)
             ok = all(
-                _same_pages(dst, expected, pages_of(case, r, c, "prefill"), pages_of(case, r, c, "decode"))
+                _same_pages(dst, expected, pages_of(case, r, c, "prefill"), pages_of(case, r, c, "decode"), page)
                 for r in range(rooms)
                 for c in range(chunks)
             )
@@ -312,8 +346,10 @@ def kvfsm_target(
             conn.send(ok)
     conn.recv()  # None: the initiator is done
     conn.send("bye")
-    mgr.close()
-    ep.close()
+    client.close()
+    for mgr, ep in managers.values():
+        mgr.close()
+        ep.close()
 
 
 def run(
@@ -347,7 +383,7 @@ def run(
         moved = c["size"] * c["plan"][0] * c["plan"][1]
         c["bytes"] = moved
         c["transfers"] = c["plan"][0] * c["plan"][1]
-        c["descriptors_per_transfer"] = 1 if c["layout"] == "contig" else c["size"] // PAGE
+        c["descriptors_per_transfer"] = 1 if c["layout"] == "contig" else c["size"] // c["page"]
         c["raw_gbps"] = moved / c["raw_seconds"] / 1e9
         c["kvfsm_gbps"] = moved / c["kvfsm_seconds"] / 1e9
         c["ratio"] = c["kvfsm_gbps"] / c["raw_gbps"]
