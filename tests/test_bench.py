@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -37,3 +39,24 @@ def test_check_bench_quick_run_writes_json(tmp_path: Path) -> None:
     (smoke,) = res["runs"]
     assert smoke["complete"] and smoke["violations"] == [] and smoke["states_per_second"] > 0
     assert smoke["bytes_per_state"] > 0 and res["transitions_steps_per_second"] > 0
+
+
+def test_transfer_bench_quick_run_writes_json(tmp_path: Path) -> None:
+    from kvfsm.transport.nixl import nixl_available
+
+    if (why := nixl_available()) is not None:
+        pytest.skip(f"NIXL: {why}")
+    out = tmp_path / "transfer.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    layouts = {(c["size"], c["layout"]) for c in res["cases"]}
+    assert {(1 << 20, "contig"), (1 << 20, "scattered")} <= layouts
+    for c in res["cases"]:
+        assert c["raw_gbps"] > 0 and c["kvfsm_gbps"] > 0 and c["ratio"] == c["kvfsm_gbps"] / c["raw_gbps"]
+        # kvfsm posted what the layout asks for: one descriptor per contiguous chunk (plus the aux
+        # write of each room's last chunk), one per page when scattered
+        per_chunk = c["descriptors_per_transfer"]
+        assert per_chunk <= c["kvfsm_descriptors_per_chunk"] <= per_chunk + 1
+    assert set(res["goal"]) == {"kvfsm_ge_0.9x_raw_for_chunks_ge_1MiB", "worst_ratio_ge_1MiB"}

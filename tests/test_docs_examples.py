@@ -1,4 +1,4 @@
-"""The code examples in docs/index.md run as written."""
+"""The code examples in docs/index.md and docs/transports.md run as written."""
 
 from __future__ import annotations
 
@@ -6,14 +6,23 @@ from pathlib import Path
 
 import pytest
 
-INDEX = Path(__file__).resolve().parent.parent / "docs" / "index.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+PAGES = ["index.md", "transports.md"]
 
 
-def _blocks() -> list[str]:
-    text = INDEX.read_text()
-    return [part.split("```")[0] for part in text.split("```python")[1:]]
+def _blocks() -> list[tuple[str, str]]:
+    out = []
+    for page in PAGES:
+        text = (DOCS / page).read_text()
+        out += [(page, part.split("```")[0]) for part in text.split("```python")[1:]]
+    return out
 
 
-@pytest.mark.parametrize("block", _blocks())
-def test_index_example_runs(block: str) -> None:
-    exec(compile(block, str(INDEX), "exec"), {})
+@pytest.mark.parametrize(("page", "block"), _blocks())
+def test_docs_example_runs(page: str, block: str) -> None:
+    if page == "transports.md":
+        from kvfsm.transport.nixl import nixl_available
+
+        if (why := nixl_available()) is not None:
+            pytest.skip(f"NIXL: {why}")
+    exec(compile(block, str(DOCS / page), "exec"), {})
