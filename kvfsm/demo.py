@@ -300,18 +300,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     real.add_argument("--decode-host", default="127.0.0.1", help="address decode ranks bind to")
 
 
+def _shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags both demos share: how many rooms, chunks, ranks, pages, and the timeout."""
+    return {
+        "rooms": args.rooms,
+        "chunks": args.chunks,
+        "ranks": args.ranks,
+        "pages_per_chunk": args.pages_per_chunk,
+        "page_bytes": args.page_bytes,
+        "concurrency": min(args.concurrency, args.rooms),
+        "seed": args.seed,
+        "transfer_timeout": args.transfer_timeout,
+    }
+
+
 def main_processes(args: argparse.Namespace) -> int:
     from kvfsm.node import ClusterConfig, run_cluster
 
     cfg = ClusterConfig(
-        rooms=args.rooms,
-        chunks=args.chunks,
-        ranks=args.ranks,
-        pages_per_chunk=args.pages_per_chunk,
-        page_bytes=args.page_bytes,
-        concurrency=min(args.concurrency, args.rooms),
-        seed=args.seed,
-        transfer_timeout=args.transfer_timeout,
+        **_shape(args),
         chunk_interval=args.chunk_interval,
         ucx_params=dict(kv.split("=", 1) for kv in args.ucx),
         prefill_host=args.prefill_host,
@@ -351,20 +358,13 @@ def main(args: argparse.Namespace) -> int:
     if args.transport != "loopback":
         return main_processes(args)
     cfg = DemoConfig(
-        rooms=args.rooms,
-        chunks=args.chunks,
-        ranks=args.ranks,
-        pages_per_chunk=args.pages_per_chunk,
-        page_bytes=args.page_bytes,
-        concurrency=min(args.concurrency, args.rooms),
+        **_shape(args),
         workers=args.workers,
         order=args.order,
-        seed=args.seed,
         drop=args.drop,
         dup=args.dup,
         delay=args.delay,
         ordered=not args.unordered,
-        transfer_timeout=args.transfer_timeout,
     )
     res = run_demo(cfg)
     if args.json:
