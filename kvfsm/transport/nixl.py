@@ -68,6 +68,7 @@ REGIONS: tuple[Region, ...] = ("kv", "aux")
 _LOCAL = "NIXL_INIT_AGENT"
 SCAN_AHEAD = 4  # in-flight transfers still in progress after which a round stops checking
 FULL_SCAN_S = 0.01  # every in-flight transfer is checked at least this often
+MAX_DEFER_S = 0.002  # the longest the poller stands back for posts before it takes its turn
 
 
 def use_prepped(segments: int, blocks: int) -> bool:
@@ -202,7 +203,7 @@ class NixlDataPlane:
         backend_params: dict[str, str] | None = None,
         progress_thread: bool = False,
         idle_poll_s: float = 0.0005,
-        busy_poll_s: float = 0.00002,
+        busy_poll_s: float = 0.0002,
         hot_window_s: float = 0.05,
         xfer_timeout_s: float = 60.0,
         telemetry: bool = False,
@@ -232,6 +233,8 @@ class NixlDataPlane:
         self._ready: list[Inbound] = []  # completions owed without a transfer (empty writes)
         self._wake = threading.Event()
         self._closed = False
+        self._posting = 0  # posts waiting for or holding the agent (read by the poller without a lock)
+        self._posting_lock = threading.Lock()
         self.stats: dict[str, int] = {
             "writes": 0,
             "reads": 0,
@@ -365,57 +368,70 @@ class NixlDataPlane:
         if region not in REGIONS:
             raise TransportError(f"unknown region {region!r}: 'kv' or 'aux'")
         what = f"{op.lower()} {self.name}->{peer} {region}"
-        with self._lock:
-            if self._closed:
-                raise TransportError(f"{what}: data plane is closed")
-            p = self._peers.get(peer)
-            if p is None:
-                gone = "was removed (lost)" if peer in self._removed else "is unknown (no descriptor)"
-                raise TransportError(f"{what}: peer {gone}")
-            local = self._local.get(region)
-            remote = p.regions[region]
-            if local is None:
-                raise TransportError(f"{what}: no local {region} region registered")
-            # src is always the side the bytes come from: local for WRITE, remote for READ.
-            src_len, dst_len = (local.nbytes, remote.nbytes) if op == "WRITE" else (remote.nbytes, local.nbytes)
-            total = check_segments(segments, src_len, dst_len, what)
-            if op == "READ" and local.readonly:
-                raise TransportError(f"{what}: our {region} region is read-only")
-            segs = [s for s in segments if s.length]
-            if not segs:
+        # Everything up to the NIXL calls reads only immutable descriptions and runs outside the
+        # lock (a peer removed meanwhile makes NIXL refuse the transfer below), so the poller is
+        # held up by the calls alone.
+        if self._closed:
+            raise TransportError(f"{what}: data plane is closed")
+        p = self._peers.get(peer)
+        if p is None:
+            gone = "was removed (lost)" if peer in self._removed else "is unknown (no descriptor)"
+            raise TransportError(f"{what}: peer {gone}")
+        local = self._local.get(region)
+        remote = p.regions[region]
+        if local is None:
+            raise TransportError(f"{what}: no local {region} region registered")
+        # src is always the side the bytes come from: local for WRITE, remote for READ.
+        src_len, dst_len = (local.nbytes, remote.nbytes) if op == "WRITE" else (remote.nbytes, local.nbytes)
+        total = check_segments(segments, src_len, dst_len, what)
+        if op == "READ" and local.readonly:
+            raise TransportError(f"{what}: our {region} region is read-only")
+        segs = [s for s in segments if s.length]
+        if not segs:
+            with self._lock:
                 return self._notify_only(p, note, tag, what)
-            lidx_ridx = self._block_indices(op, region, p, segs)
-            try:
-                if lidx_ridx is not None:
-                    lidx, ridx = lidx_ridx
-                    handle = self.agent.make_prepped_xfer(
-                        op, self._prepped[region], lidx, p.prepped[region], ridx, note
-                    )
-                    ndesc = len(lidx)
-                else:
-                    lrows, rrows = [], []
-                    for s in segs:
-                        loff, roff = (s.src, s.dst) if op == "WRITE" else (s.dst, s.src)
-                        lrows.append((local.addr + loff, s.length, local.device))
-                        rrows.append((remote.addr + roff, s.length, remote.device))
-                    ldescs = self.agent.get_xfer_descs(lrows, local.mem)
-                    rdescs = self.agent.get_xfer_descs(rrows, remote.mem)
-                    if ldescs is None or rdescs is None:  # NIXL logs and returns None on bad input
-                        raise TransportError(f"{what}: NIXL rejected the descriptor list")
-                    handle = self.agent.initialize_xfer(op, ldescs, rdescs, peer, note)
-                    ndesc = len(segs)
-                t_post = time.perf_counter()
-                state = self.agent.transfer(handle)
-                self.stats["post_ns"] += int((time.perf_counter() - t_post) * 1e9)
-            except self._nixl_errors as exc:
-                raise TransportError(f"{what}: NIXL refused the transfer: {exc!r}") from exc
-            if state not in ("DONE", "PROC"):
-                self._release(handle)
-                raise TransportError(f"{what}: transfer state {state!r}")
-            self._inflight[handle] = _Xfer(tag, peer, op, time.monotonic(), total)
-            self.stats["writes" if op == "WRITE" else "reads"] += 1
-            self.stats["bytes_posted"] += total
-            self.stats["descriptors"] += ndesc
+        lidx_ridx = self._block_indices(op, region, p, segs)
+        if lidx_ridx is None:
+            lrows, rrows = [], []
+            for s in segs:
+                loff, roff = (s.src, s.dst) if op == "WRITE" else (s.dst, s.src)
+                lrows.append((local.addr + loff, s.length, local.device))
+                rrows.append((remote.addr + roff, s.length, remote.device))
+        with self._posting_lock:
+            self._posting += 1  # the poller stands back while a post waits (see _poll_loop)
+        try:
+            with self._lock:
+                if self._closed:
+                    raise TransportError(f"{what}: data plane is closed")
+                try:
+                    if lidx_ridx is not None:
+                        lidx, ridx = lidx_ridx
+                        handle = self.agent.make_prepped_xfer(
+                            op, self._prepped[region], lidx, p.prepped[region], ridx, note
+                        )
+                        ndesc = len(lidx)
+                    else:
+                        ldescs = self.agent.get_xfer_descs(lrows, local.mem)
+                        rdescs = self.agent.get_xfer_descs(rrows, remote.mem)
+                        if ldescs is None or rdescs is None:  # NIXL logs and returns None on bad input
+                            raise TransportError(f"{what}: NIXL rejected the descriptor list")
+                        handle = self.agent.initialize_xfer(op, ldescs, rdescs, peer, note)
+                        ndesc = len(segs)
+                    t_post = time.perf_counter()
+                    state = self.agent.transfer(handle)
+                    self.stats["post_ns"] += int((time.perf_counter() - t_post) * 1e9)
+                except self._nixl_errors as exc:
+                    raise TransportError(f"{what}: NIXL refused the transfer: {exc!r}") from exc
+                if state not in ("DONE", "PROC"):
+                    self._release(handle)
+                    raise TransportError(f"{what}: transfer state {state!r}")
+                self._inflight[handle] = _Xfer(tag, peer, op, time.monotonic(), total)
+                self.stats["writes" if op == "WRITE" else "reads"] += 1
+                self.stats["bytes_posted"] += total
+                self.stats["descriptors"] += ndesc
+        finally:
+            with self._posting_lock:
+                self._posting -= 1
         self._wake.set()
         return total
 
@@ -452,13 +468,17 @@ class NixlDataPlane:
     # ------------------------------------------------------------------ progress
 
     def _poll_loop(self) -> None:
-        idle_since = time.monotonic()
+        idle_since = last_round = time.monotonic()
         full_scan = 0.0
         while True:
             items: list[Inbound] = []
             if self._closed:
                 return
             now = time.monotonic()
+            if self._posting and now - last_round < MAX_DEFER_S:
+                time.sleep(self.busy_poll_s)  # a post waits for the agent: let it go first
+                continue
+            last_round = now
             try:
                 # a full scan of the in-flight transfers now and then (timeouts, out-of-order
                 # completions); otherwise only the oldest ones: transfers complete roughly in order
