@@ -11,22 +11,25 @@ and block size) and NIXL's own agent metadata — never pickle. ``add_peer`` val
 descriptor strictly, loads its agent metadata, checks that NIXL names the agent as the peer
 claims, and prepares the peer's regions as *remote* lists.
 
-A write (or read) is bounds-checked before anything is posted; a block-aligned one becomes a
-``make_prepped_xfer`` over block indices (NIXL merges adjacent blocks into one backend descriptor,
-so a run of pages costs one descriptor), anything else an ``initialize_xfer`` over exact byte
-ranges. The notification rides on the transfer, so the peer sees it only after the data. Posting
-happens in the caller's thread (a transfer worker): on CPU memory UCX moves the bytes inside the
-post, and several workers post concurrently without a hop through another thread.
+A write (or read) is validated (bounds, peer, region) in the caller's thread and raises
+``TransportError`` before anything moves; it is then queued for the data plane's posting thread,
+which alone makes and posts transfers. Many short runs (scattered pages) become a
+``make_prepped_xfer`` over block indices of the prepared lists; anything else an
+``initialize_xfer`` over exact byte ranges. When writes queue faster than they are copied, the
+posting thread folds consecutive ones to the same peer (exact ranges, same memory kinds, at most
+``MAX_BATCH`` writes and ``MAX_BATCH_BYTES``) into one transfer whose notification carries each
+write's own (``pack_notifications``; the receiving data plane splits them again): fewer, larger
+transfers, and every write still completes and notifies on its own, after its data, in order. A
+post that NIXL refuses completes its writes as failed.
 
 Progress: NIXL's own progress thread spins a core even when idle, so by default it is off and one
-poller thread per data plane drives the agent: it checks every in-flight transfer, turns DONE or
-an error into a "completion" item, collects notifications (which also progresses UCX for peers
-writing into us: their writes complete only once we did) and hands everything to the handler
-outside the lock. It polls every ``busy_poll_s`` while transfers are in flight or traffic was seen
-within ``hot_window_s``, else waits up to ``idle_poll_s`` (a post wakes it at once). It sleeps
-between polls rather than spinning: a spinning poller would starve the threads that post. One lock guards
-every call into the agent (the agent's default sync mode takes none), so the agent is effectively
-single-owner while its calls release the GIL.
+poller thread per data plane drives the agent: it checks the in-flight transfers (the oldest few
+each round, all of them every ``FULL_SCAN_S``), turns DONE or an error into "completion" items,
+collects notifications (which also progresses UCX for peers writing into us: their writes complete
+only once we did) and hands everything to the handler. It polls every ``busy_poll_s`` while
+transfers are in flight or traffic was seen within ``hot_window_s``, else waits up to
+``idle_poll_s`` (a post wakes it), and stands back (up to ``MAX_DEFER_S``) while a post waits. One
+lock guards every call into the agent (the agent's default sync mode takes none), taken per call.
 
 A transfer still in flight after ``xfer_timeout_s`` is cancelled and completed as failed, so no
 handle leaks when a peer vanishes silently; ``remove_peer`` drops the peer's agent (NIXL then
@@ -41,6 +44,7 @@ import logging
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +70,9 @@ MAX_HEADER = 64 << 10
 MAX_METADATA = 16 << 20
 REGIONS: tuple[Region, ...] = ("kv", "aux")
 _LOCAL = "NIXL_INIT_AGENT"
+BATCH_MAGIC = b"\x00KVB"  # a protocol notification is JSON and never starts with NUL
+MAX_BATCH = 64  # writes folded into one transfer at most
+MAX_BATCH_BYTES = 64 << 20  # bytes per folded transfer at most (bounds the first write's delay)
 SCAN_AHEAD = 4  # in-flight transfers still in progress after which a round stops checking
 FULL_SCAN_S = 0.01  # every in-flight transfer is checked at least this often
 MAX_DEFER_S = 0.002  # the longest the poller stands back for posts before it takes its turn
@@ -128,11 +135,54 @@ class _Peer:
 
 @dataclass(slots=True)
 class _Xfer:
-    tag: object
+    tags: list[object]  # one per write folded into this transfer, in posting order
     peer: str
     op: str
     posted: float
     nbytes: int
+
+
+@dataclass(slots=True)
+class _Job:
+    """A validated write or read waiting for the posting thread."""
+
+    op: str
+    peer: str
+    note: bytes
+    tag: object
+    total: int
+    mems: tuple[str, str]  # local and remote memory kinds
+    lrows: list[tuple[int, int, int]]  # exact byte ranges (addr, len, dev); empty: notification only
+    rrows: list[tuple[int, int, int]]
+    prepped: tuple[str, np.ndarray, np.ndarray] | None = None  # (region, local, remote block indices)
+
+
+def pack_notifications(notes: Sequence[bytes]) -> bytes:
+    """Several writes' notifications as one NIXL notification (they ride one transfer)."""
+    parts = [BATCH_MAGIC, struct.pack("<I", len(notes))]
+    for n in notes:
+        parts += [struct.pack("<I", len(n)), n]
+    return b"".join(parts)
+
+
+def unpack_notifications(data: bytes) -> list[bytes]:
+    """The notifications in ``data``: a batch is split, anything else is one notification (a
+    malformed batch too: the runtime counts it as malformed)."""
+    if not data.startswith(BATCH_MAGIC):
+        return [data]
+    try:
+        (count,) = struct.unpack_from("<I", data, len(BATCH_MAGIC))
+        pos, out = len(BATCH_MAGIC) + 4, []
+        for _ in range(count):
+            (n,) = struct.unpack_from("<I", data, pos)
+            pos += 4
+            if pos + n > len(data):
+                return [data]
+            out.append(data[pos : pos + n])
+            pos += n
+    except struct.error:
+        return [data]
+    return out if pos == len(data) and count <= MAX_BATCH else [data]
 
 
 def encode_descriptor(agent: str, regions: dict[str, RemoteRegion], metadata: bytes) -> bytes:
@@ -216,6 +266,7 @@ class NixlDataPlane:
         self.xfer_timeout_s = xfer_timeout_s
         config = config_cls(enable_prog_thread=progress_thread, backends=[], capture_telemetry=telemetry)
         startup_errors: tuple[type[BaseException], ...] = (RuntimeError, *self._nixl_errors)
+        self._post_errors: tuple[type[BaseException], ...] = (TransportError, *self._nixl_errors)
         try:
             self.agent = agent_cls(name, config)
             self.agent.create_backend("UCX", dict(backend_params or {}))
@@ -244,10 +295,15 @@ class NixlDataPlane:
             "failed": 0,
             "notifications": 0,
             "timeouts": 0,
+            "transfers": 0,  # NIXL transfers posted (several writes may share one)
             "post_ns": 0,  # time spent inside NIXL's post (on CPU memory UCX copies the bytes there)
         }
+        self._jobs: deque[_Job] = deque()
+        self._queued = threading.Condition()
         self._poller = threading.Thread(target=self._poll_loop, name=f"nixl-{name}", daemon=True)
+        self._poster = threading.Thread(target=self._post_loop, name=f"nixl-{name}-post", daemon=True)
         self._poller.start()
+        self._poster.start()
 
     # ------------------------------------------------------------------ ports
 
@@ -348,6 +404,9 @@ class NixlDataPlane:
                 return
             self._closed = True
         self._wake.set()
+        with self._queued:
+            self._queued.notify_all()
+        self._poster.join(timeout=10)
         self._poller.join(timeout=10)
         with self._lock:
             for h in list(self._inflight):
@@ -365,74 +424,38 @@ class NixlDataPlane:
     # ------------------------------------------------------------------ posting
 
     def _post(self, op: str, peer: str, region: Region, segments: Sequence[Segment], note: bytes, tag: object) -> int:
+        """Validate a write or read and queue it for the posting thread (nothing moves before
+        every check passed); returns its bytes."""
         if region not in REGIONS:
             raise TransportError(f"unknown region {region!r}: 'kv' or 'aux'")
-        what = f"{op.lower()} {self.name}->{peer} {region}"
-        # Everything up to the NIXL calls reads only immutable descriptions and runs outside the
-        # lock (a peer removed meanwhile makes NIXL refuse the transfer below), so the poller is
-        # held up by the calls alone.
         if self._closed:
-            raise TransportError(f"{what}: data plane is closed")
+            raise TransportError(f"{op.lower()} {self.name}->{peer}: data plane is closed")
         p = self._peers.get(peer)
         if p is None:
             gone = "was removed (lost)" if peer in self._removed else "is unknown (no descriptor)"
-            raise TransportError(f"{what}: peer {gone}")
+            raise TransportError(f"{op.lower()} {self.name}->{peer} {region}: peer {gone}")
         local = self._local.get(region)
         remote = p.regions[region]
         if local is None:
-            raise TransportError(f"{what}: no local {region} region registered")
+            raise TransportError(f"{op.lower()} {self.name}->{peer}: no local {region} region registered")
         # src is always the side the bytes come from: local for WRITE, remote for READ.
         src_len, dst_len = (local.nbytes, remote.nbytes) if op == "WRITE" else (remote.nbytes, local.nbytes)
-        total = check_segments(segments, src_len, dst_len, what)
+        total = check_segments(segments, src_len, dst_len, f"{op.lower()} {self.name}->{peer} {region}")
         if op == "READ" and local.readonly:
-            raise TransportError(f"{what}: our {region} region is read-only")
+            raise TransportError(f"{op.lower()} {self.name}->{peer}: our {region} region is read-only")
         segs = [s for s in segments if s.length]
-        if not segs:
-            with self._lock:
-                return self._notify_only(p, note, tag, what)
-        lidx_ridx = self._block_indices(op, region, p, segs)
-        if lidx_ridx is None:
-            lrows, rrows = [], []
+        job = _Job(op, peer, note, tag, total, (local.mem, remote.mem), [], [])
+        indices = self._block_indices(op, region, p, segs) if segs else None
+        if indices is not None:
+            job.prepped = (region, *indices)
+        else:
             for s in segs:
                 loff, roff = (s.src, s.dst) if op == "WRITE" else (s.dst, s.src)
-                lrows.append((local.addr + loff, s.length, local.device))
-                rrows.append((remote.addr + roff, s.length, remote.device))
-        with self._posting_lock:
-            self._posting += 1  # the poller stands back while a post waits (see _poll_loop)
-        try:
-            with self._lock:
-                if self._closed:
-                    raise TransportError(f"{what}: data plane is closed")
-                try:
-                    if lidx_ridx is not None:
-                        lidx, ridx = lidx_ridx
-                        handle = self.agent.make_prepped_xfer(
-                            op, self._prepped[region], lidx, p.prepped[region], ridx, note
-                        )
-                        ndesc = len(lidx)
-                    else:
-                        ldescs = self.agent.get_xfer_descs(lrows, local.mem)
-                        rdescs = self.agent.get_xfer_descs(rrows, remote.mem)
-                        if ldescs is None or rdescs is None:  # NIXL logs and returns None on bad input
-                            raise TransportError(f"{what}: NIXL rejected the descriptor list")
-                        handle = self.agent.initialize_xfer(op, ldescs, rdescs, peer, note)
-                        ndesc = len(segs)
-                    t_post = time.perf_counter()
-                    state = self.agent.transfer(handle)
-                    self.stats["post_ns"] += int((time.perf_counter() - t_post) * 1e9)
-                except self._nixl_errors as exc:
-                    raise TransportError(f"{what}: NIXL refused the transfer: {exc!r}") from exc
-                if state not in ("DONE", "PROC"):
-                    self._release(handle)
-                    raise TransportError(f"{what}: transfer state {state!r}")
-                self._inflight[handle] = _Xfer(tag, peer, op, time.monotonic(), total)
-                self.stats["writes" if op == "WRITE" else "reads"] += 1
-                self.stats["bytes_posted"] += total
-                self.stats["descriptors"] += ndesc
-        finally:
-            with self._posting_lock:
-                self._posting -= 1
-        self._wake.set()
+                job.lrows.append((local.addr + loff, s.length, local.device))
+                job.rrows.append((remote.addr + roff, s.length, remote.device))
+        with self._queued:
+            self._jobs.append(job)
+            self._queued.notify()
         return total
 
     def _block_indices(
@@ -455,15 +478,97 @@ class NixlDataPlane:
             rparts.append(np.arange(roff // lblk, roff // lblk + n, dtype=np.int32))
         return np.concatenate(lparts), np.concatenate(rparts)
 
-    def _notify_only(self, p: _Peer, note: bytes, tag: object, what: str) -> int:
-        # nothing to move: the notification alone carries the event; complete at once
+    def _post_loop(self) -> None:
+        """The posting thread: takes queued jobs in order and posts them, folding consecutive
+        writes to the same peer (exact ranges, same memory kinds) into one transfer whose
+        notification carries all of theirs (``pack_notifications``): fewer, larger transfers when
+        the runtime hands over chunks faster than they are copied."""
+        while True:
+            with self._queued:
+                while not self._jobs and not self._closed:
+                    self._queued.wait()
+                if self._closed:
+                    return
+                jobs = list(self._jobs)
+                self._jobs.clear()
+            group: list[_Job] = []
+            for job in jobs:
+                if group and not self._foldable(group, job):
+                    self._submit(group)
+                    group = []
+                group.append(job)
+            if group:
+                self._submit(group)
+
+    @staticmethod
+    def _foldable(group: list[_Job], job: _Job) -> bool:
+        first = group[0]
+        return (
+            job.prepped is None
+            and first.prepped is None
+            and bool(job.lrows)
+            and bool(first.lrows)
+            and (job.op, job.peer, job.mems) == (first.op, first.peer, first.mems)
+            and len(group) < MAX_BATCH
+            and sum(j.total for j in group) + job.total <= MAX_BATCH_BYTES
+        )
+
+    def _submit(self, group: list[_Job]) -> None:
+        """Post one transfer for ``group`` (one job, or several folded ones); a failure completes
+        every job in it as failed."""
+        first = group[0]
+        tags = [j.tag for j in group]
+        note = first.note if len(group) == 1 else pack_notifications([j.note for j in group])
+        total = sum(j.total for j in group)
+        with self._posting_lock:
+            self._posting += 1  # the poller stands back while a post waits (see _poll_loop)
         try:
-            self.agent.send_notif(p.name, note)
-        except self._nixl_errors as exc:
-            raise TransportError(f"{what}: cannot notify: {exc!r}") from exc
-        self._ready.append(Inbound("completion", p.name, tag=tag))
-        self._wake.set()
-        return 0
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    if first.prepped is None and not first.lrows:
+                        self.agent.send_notif(first.peer, note)  # nothing to move
+                        self._ready.append(Inbound("completion", first.peer, tag=first.tag))
+                        return
+                    if first.prepped is not None:
+                        region, lidx, ridx = first.prepped
+                        peer = self._peers.get(first.peer)
+                        if peer is None or region not in peer.prepped:
+                            raise TransportError(f"{first.peer} was removed")
+                        handle = self.agent.make_prepped_xfer(
+                            first.op, self._prepped[region], lidx, peer.prepped[region], ridx, note
+                        )
+                        ndesc = len(lidx)
+                    else:
+                        lrows = [r for j in group for r in j.lrows]
+                        rrows = [r for j in group for r in j.rrows]
+                        ldescs = self.agent.get_xfer_descs(lrows, first.mems[0])
+                        rdescs = self.agent.get_xfer_descs(rrows, first.mems[1])
+                        if ldescs is None or rdescs is None:  # NIXL logs and returns None on bad input
+                            raise TransportError("NIXL rejected the descriptor list")
+                        handle = self.agent.initialize_xfer(first.op, ldescs, rdescs, first.peer, note)
+                        ndesc = len(lrows)
+                    t_post = time.perf_counter()
+                    state = self.agent.transfer(handle)
+                    self.stats["post_ns"] += int((time.perf_counter() - t_post) * 1e9)
+                    if state not in ("DONE", "PROC"):
+                        self._release(handle)
+                        raise TransportError(f"transfer state {state!r}")
+                except self._post_errors as exc:
+                    reason = f"{first.op.lower()} {self.name}->{first.peer} not posted: {exc!r}"
+                    self.stats["failed"] += len(group)
+                    self._ready += [Inbound("completion", first.peer, tag=t, ok=False, reason=reason) for t in tags]
+                    return
+                self._inflight[handle] = _Xfer(tags, first.peer, first.op, time.monotonic(), total)
+                self.stats["writes" if first.op == "WRITE" else "reads"] += len(group)
+                self.stats["transfers"] += 1
+                self.stats["bytes_posted"] += total
+                self.stats["descriptors"] += ndesc
+        finally:
+            with self._posting_lock:
+                self._posting -= 1
+            self._wake.set()
 
     # ------------------------------------------------------------------ progress
 
@@ -535,11 +640,12 @@ class NixlDataPlane:
                 del self._inflight[handle]
                 self._release(handle)
             if state == "DONE":
-                self.stats["completed"] += 1
-                items.append(Inbound("completion", x.peer, tag=x.tag))
+                self.stats["completed"] += len(x.tags)
+                items += [Inbound("completion", x.peer, tag=t) for t in x.tags]
             else:
-                self.stats["failed"] += 1
-                items.append(Inbound("completion", x.peer, tag=x.tag, ok=False, reason=reason or f"state {state}"))
+                self.stats["failed"] += len(x.tags)
+                why = reason or f"state {state}"
+                items += [Inbound("completion", x.peer, tag=t, ok=False, reason=why) for t in x.tags]
         with self._lock:
             if self._closed:
                 return
@@ -551,8 +657,9 @@ class NixlDataPlane:
         for peer, msgs in notifs.items():
             peer = peer.decode() if isinstance(peer, bytes) else str(peer)
             for m in msgs:
-                self.stats["notifications"] += 1
-                items.append(Inbound("notification", peer, data=bytes(m)))
+                for note in unpack_notifications(bytes(m)):
+                    self.stats["notifications"] += 1
+                    items.append(Inbound("notification", peer, data=note))
 
     # ------------------------------------------------------------------ helpers (lock held)
 
