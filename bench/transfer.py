@@ -2,7 +2,8 @@
 
 Two processes (spawned): an initiator (prefill) and a target (decode), each with one buffer of
 the same size, on DRAM (``--device cpu``) or VRAM (``--device cuda:0 --target-device cuda:1``).
-For every case (chunk size x layout) the run measures, one after the other in the same processes:
+The run measures, in the same processes, first raw NIXL for every case (chunk size x layout)
+with nothing else running, then kvfsm for every case:
 
   raw    one NIXL agent per process (UCX, no progress thread, as the kvfsm data plane sets it
          up), metadata exchanged over a pipe. Before the clock starts, each chunk's descriptors
@@ -18,7 +19,7 @@ For every case (chunk size x layout) the run measures, one after the other in th
 
 Layouts: ``contig`` (a chunk is adjacent 64 KiB pages on both sides: one descriptor per chunk)
 and ``scattered`` (4 KiB pages, destination pages in reverse order: one descriptor per page).
-Figures are GB/s (1e9 bytes moved once per second), the median of ``--reps`` repetitions;
+Figures are GB/s (1e9 bytes moved once per second), the median of ``--reps`` (5) repetitions;
 ratio = kvfsm / raw. ``*_post_seconds`` is the time spent inside NIXL's post over all
 repetitions (on CPU memory UCX copies the bytes there).
 
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--out", default="bench/results/transfer.json")
     ap.add_argument("--quick", action="store_true", help="a few small sizes (tests)")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-mib", type=int, default=256, help="bytes per case, roughly")
     ap.add_argument("--device", default="cpu", help="initiator's buffer: cpu (DRAM) or cuda[:N] (VRAM)")
     ap.add_argument("--target-device", default=None, help="target's buffer (default: the same as --device)")
