@@ -14,6 +14,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -24,11 +25,9 @@ NIXL_MISSING = nixl_available()
 pytestmark = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 
 
-def _explain(res: dict[str, object]) -> str:
-    tails = res.get("stderr_tail") or {}
-    return json.dumps(res.get("problems"), indent=1) + "".join(
-        f"\n--- {k} ---\n{v}" for k, v in tails.items()  # type: ignore[union-attr]
-    )
+def _explain(res: dict[str, Any]) -> str:
+    tails: dict[str, str] = res.get("stderr_tail") or {}
+    return json.dumps(res.get("problems"), indent=1) + "".join(f"\n--- {k} ---\n{v}" for k, v in tails.items())
 
 
 def test_two_processes_move_every_byte() -> None:
