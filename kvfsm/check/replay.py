@@ -23,7 +23,7 @@ from kvfsm.check.explore import _jsonable
 from kvfsm.check.model import CheckConfig, Model, _msg_tuple
 from kvfsm.protocol import LocalProtocolError
 from kvfsm.runtime.decode import KVReceiver
-from kvfsm.runtime.manager import Manager
+from kvfsm.runtime.manager import ROUTING_MUTANTS, Manager, RuntimeConfig
 from kvfsm.runtime.prefill import KVSender
 from kvfsm.testing import LoopbackCluster
 
@@ -60,9 +60,9 @@ def _ep(node: str) -> str:
 
 
 class Replayer:
-    def __init__(self, cfg: CheckConfig) -> None:
-        if cfg.mutant == "early_expiry_forgotten":
-            raise ReplayError("early_expiry_forgotten is a variant of the runtime's routing: the runtime has the fix")
+    def __init__(self, cfg: CheckConfig, routing_bugs: bool = True) -> None:
+        """``routing_bugs=False`` keeps the runtime's own fixes for the mutants of its routing
+        layer (ROUTING_MUTANTS): their traces then show that the runtime is immune."""
         self.cfg = cfg
         self.model = Model(cfg)
         self.state = self.model.initial()
@@ -71,6 +71,10 @@ class Replayer:
             prefill_ranks=cfg.prefill_ranks, decode_ranks=cfg.decode_ranks, pages=cfg.rooms * cfg.chunks,
             page_bytes=self.page_bytes, aux_slots=cfg.rooms, aux_bytes=self.aux_bytes, workers=0,
             ordered=cfg.ordered, protocol=self.model.protocol, async_writes=True,
+            # a mutant of the runtime's routing (not of the spec) is switched on in the runtime itself
+            config=RuntimeConfig(
+                workers=0, routing_mutant=cfg.mutant if routing_bugs and cfg.mutant in ROUTING_MUTANTS else None
+            ),
         )  # fmt: skip
         self.handles: dict[tuple[str, int, int], KVSender | KVReceiver] = {}
         self.freed: set[tuple[int, int]] = set()  # (room, decode rank) whose pages were handed back
@@ -242,12 +246,12 @@ class Replayer:
                 self.polls[key] = poll
 
 
-def replay(path: Path) -> ReplayResult:
+def replay(path: Path, routing_bugs: bool = True) -> ReplayResult:
     lines = path.read_text().splitlines()
     header = json.loads(lines[0])
     cfg = CheckConfig(**header["config"])
     labels = [json.loads(x)["label"] for x in lines[1:]]
-    r = Replayer(cfg)
+    r = Replayer(cfg, routing_bugs)
     res = ReplayResult(cfg, header.get("violation", ""))
     for i, label in enumerate(labels, 1):
         try:
@@ -268,11 +272,16 @@ def replay(path: Path) -> ReplayResult:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", type=Path, help="JSONL written by kvfsm check --trace-out")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--runtime-fixes",
+        action="store_true",
+        help="for a mutant of the runtime's routing, keep the runtime's fix (shows it is immune)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        res = replay(args.trace)
+        res = replay(args.trace, routing_bugs=not args.runtime_fixes)
     except ReplayError as exc:
         print(f"cannot replay: {exc}", file=sys.stderr)
         return 2

@@ -65,6 +65,14 @@ class RuntimeConfig:
     tombstone_ttl_s: float = 600.0  # how long a cleared room's id is remembered
     early_ttl_s: float = 300.0  # prefill: how long messages for a not-yet-created room are kept
     max_early_rooms: int = 65536
+    # kvfsm replay only: switch back on a historical routing bug that a checker mutant describes,
+    # so that its trace reproduces on the runtime (ROUTING_MUTANTS); never set it in production
+    routing_mutant: str | None = None
+
+
+# late_message_resurrects: a cleared room's machine is kept, so a late message reaches it;
+# early_expiry_forgotten: a room whose early messages expired is forgotten (no "Expired" tombstone)
+ROUTING_MUTANTS = ("late_message_resurrects", "early_expiry_forgotten")
 
 
 @dataclass(slots=True)
@@ -142,6 +150,10 @@ class Manager:
         self.rank = rank
         self.endpoint = endpoint
         self.config = config or RuntimeConfig()
+        if self.config.routing_mutant not in (None, *ROUTING_MUTANTS):
+            raise LocalProtocolError(
+                f"routing_mutant must be one of {ROUTING_MUTANTS}, not {self.config.routing_mutant!r}"
+            )
         protocol = protocol or Protocol()
         self.machine: RoomMachine = protocol.machine_for(self.side, self.config.timeouts)
         self.codec: Codec = protocol.codec
@@ -341,6 +353,9 @@ class Manager:
             log.info("%s%d room %d failed in %s: %s", self.side, self.rank, room.room, before, room.failure)
         elif after == "Cleared":
             self.telemetry.count("rooms_cleared")
+            if self.config.routing_mutant == "late_message_resurrects":
+                self._timers.cancel_room(room.room)
+                return  # the bug: the cleared room stays routable
             del self._rooms[room.room]
             self._timers.cancel_room(room.room)
             expiry = now + self.config.tombstone_ttl_s

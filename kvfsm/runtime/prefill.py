@@ -174,9 +174,10 @@ class PrefillManager(Manager):
         # Remember it: decode was told the room failed and released its pages, so neither a
         # late duplicate room_pages nor the engine's late create_sender may start writes.
         reason = f"prefill rank {self.rank} never created room {rid} within {self.config.early_ttl_s}s"
-        self._tombstones[rid] = ("Expired", now + self.config.tombstone_ttl_s)
-        self._tomb_order.append((now + self.config.tombstone_ttl_s, rid))
-        self._failures[rid] = reason
+        if self.config.routing_mutant != "early_expiry_forgotten":  # the bug: forget it
+            self._tombstones[rid] = ("Expired", now + self.config.tombstone_ttl_s)
+            self._tomb_order.append((now + self.config.tombstone_ttl_s, rid))
+            self._failures[rid] = reason
         for _peer, event in events:
             if isinstance(event, PagesAnnounced):
                 self._send(event.dest_rank, RoomFailed(rid, self.rank, reason))
