@@ -12,8 +12,8 @@ with nothing else running, then kvfsm for every case:
          timed per chunk: make the transfer, post it with a notification, poll until DONE,
          release. The target polls notifications meanwhile.
   kvfsm  the full stack: PrefillManager / DecodeManager over ZMQ control + NIXL data planes
-         (one manager pair per page size), rooms announced by decode first, one transfer
-         worker; timed from the first ``send()`` (page lists built beforehand, as an engine
+         (one manager pair per page size), rooms announced by decode first, no runtime
+         transfer workers (the data plane queues writes for its posting thread); timed from the first ``send()`` (page lists built beforehand, as an engine
          holds them) until every prefill room reports Success (every write completed, aux
          included). Decode then checks every byte of every room.
 
@@ -227,9 +227,9 @@ def kvfsm_initiator(
     from kvfsm.runtime import PrefillManager, RuntimeConfig
 
     aux = _buffer(16 * AUX, "cpu", 1)
-    # one transfer worker: posts to one NIXL agent serialise on its lock anyway, and on a small
-    # machine a second worker only adds lock and GIL hand-offs between the copies
-    cfg = RuntimeConfig(workers=1, timeouts={"transfer": 60.0, "hold": 60.0, "bootstrap": 60.0, "input": 60.0})
+    # no transfer workers: the NIXL data plane validates a write and queues it for its own posting
+    # thread, so a runtime worker would only add a thread hop (and GIL hand-offs) per chunk
+    cfg = RuntimeConfig(workers=0, timeouts={"transfer": 60.0, "hold": 60.0, "bootstrap": 60.0, "input": 60.0})
     managers: dict[int, tuple[Any, Any]] = {}
     conn.send("ready")
     room_id = 0
