@@ -384,19 +384,11 @@ class NixlDataPlane:
                 self._drop_peer(p)
             self._removed.add(peer)
 
-    def peers(self) -> list[str]:
-        with self._lock:
-            return sorted(self._peers)
-
     def write(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self._post("WRITE", peer, region, segments, notification, tag)
 
     def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self._post("READ", peer, region, segments, notification, tag)
-
-    def inflight(self) -> int:
-        with self._lock:
-            return len(self._inflight)
 
     def close(self) -> None:
         with self._lock:
