@@ -13,9 +13,11 @@ with nothing else running, then kvfsm for every case:
          release. The target polls notifications meanwhile.
   kvfsm  the full stack: PrefillManager / DecodeManager over ZMQ control + NIXL data planes
          (one manager pair per page size), rooms announced by decode first, no runtime
-         transfer workers (the data plane queues writes for its posting thread); timed from the first ``send()`` (page lists built beforehand, as an engine
-         holds them) until every prefill room reports Success (every write completed, aux
-         included). Decode then checks every byte of every room.
+         transfer workers (the data plane queues writes for its posting thread); timed from
+         the first ``send()`` (page lists built beforehand, as an engine holds them) until
+         every prefill room reports Success (every write completed, aux included), waiting
+         with ``Manager.wait`` (woken as rooms change state). Decode then checks every byte
+         of every room.
 
 Layouts: ``contig`` (a chunk is adjacent 64 KiB pages on both sides: one descriptor per chunk)
 and ``scattered`` (4 KiB pages, destination pages in reverse order: one descriptor per page).
@@ -57,13 +59,15 @@ def plan(size: int, budget: int) -> tuple[int, int]:
     return rooms, max(1, n // rooms)
 
 
-def cases(sizes: list[int], budget: int) -> list[dict[str, Any]]:
+def cases(sizes: list[int], budget: int, layouts: tuple[str, ...] = ("contig", "scattered")) -> list[dict[str, Any]]:
     out = []
-    for s in sizes:
-        out.append({"size": s, "layout": "contig", "page": min(s, CONTIG_PAGE), "plan": plan(s, budget)})
-    for s in sizes:
-        if 64 << 10 <= s <= 16 * MiB:
-            out.append({"size": s, "layout": "scattered", "page": PAGE, "plan": plan(s, budget)})
+    if "contig" in layouts:
+        for s in sizes:
+            out.append({"size": s, "layout": "contig", "page": min(s, CONTIG_PAGE), "plan": plan(s, budget)})
+    if "scattered" in layouts:
+        for s in sizes:
+            if 64 << 10 <= s <= 16 * MiB:
+                out.append({"size": s, "layout": "scattered", "page": PAGE, "plan": plan(s, budget)})
     return out
 
 
@@ -207,14 +211,13 @@ def _kvfsm_endpoint(name: str, side: str, bootstrap: str, params: dict[str, str]
     )
 
 
-def _wait_all(handles: list[Any], code: int, limit: float = 120.0) -> None:
-    """Poll every room until all report KVPoll ``code``, every 0.5 ms, as an engine's scheduler
-    loop would (a tighter loop only takes CPU from the copies on a small machine)."""
-    deadline = time.monotonic() + limit
-    while not all(h.poll() == code for h in handles):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"bench: rooms did not all reach KVPoll {code}")
-        time.sleep(0.0005)
+def _wait_all(mgr: Any, rooms: list[int], code: int, limit: float = 120.0) -> None:
+    """Block until every room reports KVPoll ``code`` (``Manager.wait``: woken by the transport
+    threads as rooms change state, so no polling interval is added and no CPU is spent)."""
+    codes = mgr.wait(rooms, code, timeout=limit)
+    if any(c != code for c in codes):
+        why = {r: str(mgr.failure_exception(r)) for r, c in zip(rooms, codes, strict=True) if c == 0}
+        raise TimeoutError(f"bench: rooms did not all reach KVPoll {code}: {codes} {why}")
 
 
 def kvfsm_initiator(
@@ -250,13 +253,13 @@ def kvfsm_initiator(
             room_id += rooms
             senders = [mgr.create_sender(rid) for rid in ids]
             conn.send(ids)
-            _wait_all(senders, KVPoll.WaitingForInput)  # decode announced
+            _wait_all(mgr, ids, KVPoll.WaitingForInput)  # decode announced
             t0 = time.perf_counter()
             for c in range(chunks):
                 last = c == chunks - 1
                 for r, s in enumerate(senders):
                     s.send(chunk_pages[c][r], is_last=last, aux_slot=r if last else None)
-            _wait_all(senders, KVPoll.Success)
+            _wait_all(mgr, ids, KVPoll.Success)
             times.append(time.perf_counter() - t0)
             for s in senders:
                 s.clear()
@@ -276,10 +279,9 @@ def kvfsm_initiator(
 def _same_pages(dst: Any, src: Any, sp: list[int], dp: list[int], page: int) -> bool:
     import torch
 
-    s = torch.as_tensor(sp, device=src.device) * page
-    d = torch.as_tensor(dp, device=dst.device) * page
-    idx = torch.arange(page, device=src.device)
-    return bool(torch.equal(dst[(d[:, None] + idx).flatten()], src[(s[:, None] + idx).flatten()]))
+    s = torch.as_tensor(sp, device=src.device)
+    d = torch.as_tensor(dp, device=dst.device)
+    return bool(torch.equal(dst.view(-1, page)[d], src.view(-1, page)[s]))  # whole pages, gathered
 
 
 # ------------------------------------------------------------------------------------- processes
@@ -332,10 +334,10 @@ def kvfsm_target(
         for _ in range(reps + 1):
             ids = conn.recv()
             recv = [mgr.create_receiver(rid) for rid in ids]
-            _wait_all(recv, KVPoll.WaitingForInput)
+            _wait_all(mgr, ids, KVPoll.WaitingForInput)
             for r, rc in enumerate(recv):
                 rc.init(dst_pages[r], r)
-            _wait_all(recv, KVPoll.Success)
+            _wait_all(mgr, ids, KVPoll.Success)
             ok = all(
                 _same_pages(dst, expected, pages_of(case, r, c, "prefill"), pages_of(case, r, c, "decode"), page)
                 for r in range(rooms)
@@ -354,11 +356,17 @@ def kvfsm_target(
 
 
 def run(
-    sizes: list[int], budget: int, reps: int, device: str, target_device: str, params: dict[str, str]
+    sizes: list[int],
+    budget: int,
+    reps: int,
+    device: str,
+    target_device: str,
+    params: dict[str, str],
+    layouts: tuple[str, ...] = ("contig", "scattered"),
 ) -> list[dict[str, Any]]:
     from kvfsm.transport.zmq import BootstrapServer
 
-    all_cases = cases(sizes, budget)
+    all_cases = cases(sizes, budget, layouts)
     nbytes = max(c["size"] * c["plan"][0] * c["plan"][1] for c in all_cases)
     server = BootstrapServer()
     ctx = mp.get_context("spawn")
@@ -412,13 +420,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="initiator's buffer: cpu (DRAM) or cuda[:N] (VRAM)")
     ap.add_argument("--target-device", default=None, help="target's buffer (default: the same as --device)")
     ap.add_argument("--ucx", action="append", default=[], help="UCX backend parameter KEY=VALUE")
+    ap.add_argument("--sizes", help="comma-separated chunk sizes in KiB (default: 4 KiB ... 256 MiB)")
+    ap.add_argument("--layouts", default="contig,scattered", help="contig, scattered or both")
     ap.add_argument("--check", action="store_true", help="exit 1 if kvfsm < 0.9x raw for contiguous chunks >= 1 MiB")
     args = ap.parse_args(argv)
     params = dict(kv.split("=", 1) for kv in args.ucx)
     sizes = QUICK_SIZES if args.quick else SIZES
+    if args.sizes:
+        sizes = [int(k) << 10 for k in args.sizes.split(",")]
     budget = (16 if args.quick else args.budget_mib) * MiB
     target = args.target_device or args.device
-    measured = run(sizes, budget, 1 if args.quick else args.reps, args.device, target, params)
+    layouts = tuple(args.layouts.split(","))
+    measured = run(sizes, budget, 1 if args.quick else args.reps, args.device, target, params, layouts)
     goal = [c for c in measured if c["layout"] == "contig" and c["size"] >= MiB]
     result = {
         "bench": "transfer",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfsm.protocol.wire import AuxWritten, ChunkWritten, Message
 
@@ -26,6 +26,8 @@ class PostWrite:
     src_pages: tuple[int, ...]
     dst_pages: tuple[int, ...]
     notification: ChunkWritten
+    # derived: both page lists are one ascending run each, so the write is one segment
+    contiguous: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,13 +71,37 @@ def action(name: str) -> Callable[[ActionFn], ActionFn]:
     return register
 
 
+_SUMMARY: tuple[Any, tuple[int, int, bool, bool]] = ((), (0, -1, True, True))  # the last list summarised
+
+
+def page_summary(pages: tuple[int, ...]) -> tuple[int, int, bool, bool]:
+    """(lowest, highest, all distinct, one ascending run) of a page list. The guards of one step read it several
+    times and it is O(pages), so the last list's summary is kept (by identity: a page list is an
+    immutable tuple). One ascending run, the usual case, is recognised by a comparison in C."""
+    global _SUMMARY
+    last = _SUMMARY
+    if last[0] is pages:
+        return last[1]
+    n = len(pages)
+    if not n:
+        summary = (0, -1, True, True)
+    elif pages[-1] - pages[0] == n - 1 and tuple(pages) == tuple(range(pages[0], pages[0] + n)):
+        summary = (pages[0], pages[-1], True, True)
+    else:
+        summary = (min(pages), max(pages), len(set(pages)) == n, False)
+    if type(pages) is tuple:  # immutable: safe to remember by identity
+        _SUMMARY = (pages, summary)
+    return summary
+
+
 def _distinct(pages: tuple[int, ...]) -> bool:
-    return len(set(pages)) == len(pages)
+    return page_summary(pages)[2]
 
 
 def _within(pages: tuple[int, ...], limit: int) -> bool:
-    """Every page index is in [0, limit) (min/max run in C: this is on the per-chunk path)."""
-    return not pages or (min(pages) >= 0 and max(pages) < limit)
+    """Every page index is in [0, limit)."""
+    lo, hi, _, _ = page_summary(pages)
+    return not pages or (lo >= 0 and hi < limit)
 
 
 # ====================================================================== prefill guards
@@ -215,7 +239,7 @@ def write_is_final(room: PrefillRoom, ev: Any) -> bool:
 
 @action("record_dest")
 def record_dest(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
-    room.dests[ev.dest_rank] = Announcement(ev.pages, ev.aux_slot)
+    room.dests[ev.dest_rank] = Announcement(ev.pages, ev.aux_slot, page_summary(ev.pages)[3])
     room.required_dests = ev.required_dests
 
 
@@ -231,7 +255,8 @@ def _post(room: PrefillRoom, chunk: ChunkReady, ctx: StepContext) -> None:
     start = room.cursor
     for dest, ann in sorted(room.dests.items()):
         note = ChunkWritten(room.room, room.rank, chunk_id, chunk.is_last, start, n)
-        ctx.out.append(PostWrite(room.room, dest, chunk_id, chunk.pages, ann.pages[start : start + n], note))
+        run = ann.run and page_summary(chunk.pages)[3]  # both sides one ascending run: one segment
+        ctx.out.append(PostWrite(room.room, dest, chunk_id, chunk.pages, ann.pages[start : start + n], note, run))
         room.inflight.add((dest, chunk_id))
         if chunk.is_last:
             assert chunk.aux_slot is not None  # chunk_ok

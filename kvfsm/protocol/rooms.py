@@ -18,6 +18,7 @@ class Announcement:
 
     pages: tuple[int, ...]
     aux_slot: int
+    run: bool = field(default=False, compare=False)  # derived: pages are one ascending run
 
 
 @dataclass(slots=True, eq=False)

@@ -109,6 +109,9 @@ class DecodeManager(Manager):
         if now >= self._next_register and any(s == "pending" for s in self._links.values()):
             self._register_pending(now)
 
+    def _side_deadline(self) -> float | None:
+        return self._next_register if any(s == "pending" for s in self._links.values()) else None
+
     def _peer_name(self, rank: int) -> str | None:
         return self._peer_names.get(rank)
 

@@ -120,6 +120,11 @@ class RoomHandle:
         """KVPoll code (Failed=0 … Success=4); fires due timers first."""
         return self.manager.poll(self.room)
 
+    def wait(self, until: int = 4, timeout: float | None = None) -> int:
+        """Block until the room reaches KVPoll ``until`` (default Success) or beyond, or fails,
+        or ``timeout`` seconds pass; returns its KVPoll code. Timers fire while it waits."""
+        return self.manager.wait([self.room], until, timeout)[0]
+
     def abort(self, reason: str = "aborted by engine") -> None:
         self.manager.abort(self.room, reason)
 
@@ -173,6 +178,7 @@ class Manager:
         self.aux_slots = aux_bytes // aux_slot_bytes
         self.telemetry = Telemetry()
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # a room changed state (wait())
         self._rooms: dict[int, RoomRuntime] = {}
         self._timers = TimerWheel()
         self._tombstones: dict[int, tuple[str, float]] = {}
@@ -192,6 +198,32 @@ class Manager:
         self.tick()
         with self._lock:
             return self.machine.kvpoll(self._get(room).room)
+
+    def wait(self, rooms: Iterable[int], until: int = 4, timeout: float | None = None) -> list[int]:
+        """Block until every room in ``rooms`` has reached KVPoll ``until`` (default Success) or
+        beyond, or failed, or until ``timeout`` seconds (None: no limit) pass; returns their
+        KVPoll codes, in order. Armed timers fire on time meanwhile (a room's own timeouts end
+        the wait too), and so does the rank's own bookkeeping (decode's register retries). Woken by the transport threads as rooms change state: the blocking
+        alternative to calling ``poll()`` in a loop (no CPU spent while waiting, no polling
+        interval added to a transfer's latency)."""
+        rooms = list(rooms)
+        deadline = None if timeout is None else time.monotonic() + timeout  # real time, whatever the clock
+        with self._changed:
+            while True:
+                self.tick()
+                codes = [self.machine.kvpoll(self._get(r).room) for r in rooms]
+                if all(c >= until or c == 0 for c in codes):
+                    return codes
+                waits = []
+                if deadline is not None:
+                    waits.append(deadline - time.monotonic())
+                    if waits[0] <= 0:
+                        return codes
+                now = self.clock()
+                for nxt in (self._timers.next_deadline(), self._side_deadline()):
+                    if nxt is not None:
+                        waits.append(max(0.0, nxt - now))
+                self._changed.wait(min(waits) if waits else None)
 
     def abort(self, room: int, reason: str = "aborted by engine") -> None:
         from kvfsm.protocol.events import Abort
@@ -264,6 +296,10 @@ class Manager:
     def _tick_side(self, now: float) -> None:
         pass
 
+    def _side_deadline(self) -> float | None:
+        """When ``_tick_side`` next has work (wait() wakes for it), or None."""
+        return None
+
     def _get(self, room: int) -> RoomRuntime:
         rt = self._rooms.get(room)
         if rt is None:
@@ -334,6 +370,7 @@ class Manager:
 
     def _state_changed(self, rt: RoomRuntime, before: str, now: float) -> None:
         room = rt.room
+        self._changed.notify_all()
         self.telemetry.observe(f"state_seconds.{before}", now - rt.state_since)
         rt.state_since = now
         after = room.state

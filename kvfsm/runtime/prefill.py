@@ -20,7 +20,7 @@ from kvfsm.protocol.events import (
 from kvfsm.protocol.rooms import PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, coalesce, log
-from kvfsm.transport.base import Inbound
+from kvfsm.transport.base import Inbound, Segment
 
 
 class KVSender(RoomHandle):
@@ -166,6 +166,9 @@ class PrefillManager(Manager):
             _, rid = self._early_order.popleft()
             self._expire(rid, now)
 
+    def _side_deadline(self) -> float | None:
+        return self._early_order[0][0] if self._early_order else None
+
     def _expire(self, rid: int, now: float) -> None:
         events = self._early.pop(rid, None)
         if events is None:
@@ -214,7 +217,11 @@ class PrefillManager(Manager):
         rid = action.room
         chunk_id = action.chunk_id if isinstance(action, PostWrite) else AUX_WRITE
         if isinstance(action, PostWrite):
-            segments = coalesce(action.src_pages, action.dst_pages, self.page_bytes)
+            if action.contiguous and action.src_pages:  # one run on both sides (the core checked)
+                n = len(action.src_pages) * self.page_bytes
+                segments = [Segment(action.src_pages[0] * self.page_bytes, action.dst_pages[0] * self.page_bytes, n)]
+            else:
+                segments = coalesce(action.src_pages, action.dst_pages, self.page_bytes)
             region = "kv"
         else:
             segments = coalesce((action.src_slot,), (action.dst_slot,), self.aux_slot_bytes)

@@ -16,11 +16,11 @@ A write (or read) is validated (bounds, peer, region) in the caller's thread and
 which alone makes and posts transfers. Many short runs (scattered pages) become a
 ``make_prepped_xfer`` over block indices of the prepared lists; anything else an
 ``initialize_xfer`` over exact byte ranges. When writes queue faster than they are copied, the
-posting thread folds consecutive ones to the same peer (exact ranges, same memory kinds, at most
-``MAX_BATCH`` writes and ``MAX_BATCH_BYTES``) into one transfer whose notification carries each
-write's own (``pack_notifications``; the receiving data plane splits them again): fewer, larger
-transfers, and every write still completes and notifies on its own, after its data, in order. A
-post that NIXL refuses completes its writes as failed.
+posting thread folds queued ones with the same peer, op, memory kinds and kind of descriptor
+(``fold``: at most ``MAX_BATCH`` writes and ``MAX_BATCH_BYTES``) into one transfer whose
+notification carries each write's own (``pack_notifications``; the receiving data plane splits
+them again): fewer, larger transfers, and every write still completes and notifies on its own,
+after its data. A post that NIXL refuses completes its writes as failed.
 
 Progress: NIXL's own progress thread spins a core even when idle, so by default it is off and one
 poller thread per data plane drives the agent: it checks the in-flight transfers (the oldest few
@@ -63,6 +63,7 @@ from kvfsm.transport.base import (
 )
 
 log = logging.getLogger("kvfsm.transport.nixl")
+
 
 MAGIC = b"KVFSMNX1"
 DESCRIPTOR_VERSION = 1
@@ -243,6 +244,33 @@ def decode_descriptor(data: bytes) -> tuple[str, dict[str, RemoteRegion], bytes]
     return agent, regions, metadata
 
 
+def fold(jobs: Sequence[_Job]) -> list[list[_Job]]:
+    """Group queued jobs into transfers. Jobs with the same key (op, peer, memory kinds, and the
+    prepared region for block-index jobs or exact byte ranges otherwise) share a transfer, while
+    it holds at most ``MAX_BATCH`` jobs and ``MAX_BATCH_BYTES``, whether they were queued next to
+    each other or not: a room's KV writes (VRAM) and aux writes (DRAM) interleave in the queue
+    but fold apart. Within a key the queue's order is kept; groups come in the order of their
+    first job. Across keys the order may change: the protocol never relies on the order of two
+    writes' notifications (the model checker delivers them in any order). A notification-only
+    job (nothing to move) stays alone."""
+    groups: list[list[_Job]] = []
+    open_: dict[tuple[Any, ...], tuple[list[_Job], list[int]]] = {}  # key -> (group, [its bytes])
+    for job in jobs:
+        if job.prepped is None and not job.lrows:
+            groups.append([job])
+            continue
+        key = (job.op, job.peer, job.mems, None if job.prepped is None else job.prepped[0])
+        entry = open_.get(key)
+        if entry is not None and len(entry[0]) < MAX_BATCH and entry[1][0] + job.total <= MAX_BATCH_BYTES:
+            entry[0].append(job)
+            entry[1][0] += job.total
+            continue
+        group = [job]
+        open_[key] = (group, [job.total])
+        groups.append(group)
+    return groups
+
+
 class NixlDataPlane:
     """A ``DataPlane`` on one NIXL agent (see the module docstring)."""
 
@@ -300,6 +328,8 @@ class NixlDataPlane:
         }
         self._jobs: deque[_Job] = deque()
         self._queued = threading.Condition()
+        self._queued_bytes = 0  # bytes of the queued jobs
+        self._poster_idle = False  # the posting thread waits for jobs
         self._poller = threading.Thread(target=self._poll_loop, name=f"nixl-{name}", daemon=True)
         self._poster = threading.Thread(target=self._post_loop, name=f"nixl-{name}-post", daemon=True)
         self._poller.start()
@@ -447,7 +477,14 @@ class NixlDataPlane:
                 job.rrows.append((remote.addr + roff, s.length, remote.device))
         with self._queued:
             self._jobs.append(job)
+            self._queued_bytes += total
+            kick = self._poster_idle or len(self._jobs) >= MAX_BATCH or self._queued_bytes >= MAX_BATCH_BYTES
             self._queued.notify()
+        if kick:
+            # Hand the GIL to the posting thread now rather than when the interpreter's switch
+            # interval (5 ms) takes it from a caller still busy handing over chunks: the first
+            # write of a burst starts moving at once, and a full batch goes as soon as it is full.
+            time.sleep(0)
         return total
 
     def _block_indices(
@@ -471,39 +508,22 @@ class NixlDataPlane:
         return np.concatenate(lparts), np.concatenate(rparts)
 
     def _post_loop(self) -> None:
-        """The posting thread: takes queued jobs in order and posts them, folding consecutive
-        writes to the same peer (exact ranges, same memory kinds) into one transfer whose
-        notification carries all of theirs (``pack_notifications``): fewer, larger transfers when
-        the runtime hands over chunks faster than they are copied."""
+        """The posting thread: takes every queued job and posts them, folded (``fold``) into as
+        few transfers as the limits allow: fewer, larger transfers when the runtime hands over
+        chunks faster than they are copied."""
         while True:
             with self._queued:
                 while not self._jobs and not self._closed:
+                    self._poster_idle = True
                     self._queued.wait()
+                self._poster_idle = False
                 if self._closed:
                     return
                 jobs = list(self._jobs)
                 self._jobs.clear()
-            group: list[_Job] = []
-            for job in jobs:
-                if group and not self._foldable(group, job):
-                    self._submit(group)
-                    group = []
-                group.append(job)
-            if group:
+                self._queued_bytes = 0
+            for group in fold(jobs):
                 self._submit(group)
-
-    @staticmethod
-    def _foldable(group: list[_Job], job: _Job) -> bool:
-        first = group[0]
-        return (
-            job.prepped is None
-            and first.prepped is None
-            and bool(job.lrows)
-            and bool(first.lrows)
-            and (job.op, job.peer, job.mems) == (first.op, first.peer, first.mems)
-            and len(group) < MAX_BATCH
-            and sum(j.total for j in group) + job.total <= MAX_BATCH_BYTES
-        )
 
     def _submit(self, group: list[_Job]) -> None:
         """Post one transfer for ``group`` (one job, or several folded ones); a failure completes
@@ -524,10 +544,15 @@ class NixlDataPlane:
                         self._ready.append(Inbound("completion", first.peer, tag=first.tag))
                         return
                     if first.prepped is not None:
-                        region, lidx, ridx = first.prepped
+                        region = first.prepped[0]
                         peer = self._peers.get(first.peer)
                         if peer is None or region not in peer.prepped:
                             raise TransportError(f"{first.peer} was removed")
+                        if len(group) == 1:
+                            lidx, ridx = first.prepped[1], first.prepped[2]
+                        else:
+                            lidx = np.concatenate([j.prepped[1] for j in group])  # type: ignore[index]
+                            ridx = np.concatenate([j.prepped[2] for j in group])  # type: ignore[index]
                         handle = self.agent.make_prepped_xfer(
                             first.op, self._prepped[region], lidx, peer.prepped[region], ridx, note
                         )
