@@ -75,9 +75,9 @@ _SUMMARY: tuple[Any, tuple[int, int, bool, bool]] = ((), (0, -1, True, True))  #
 
 
 def page_summary(pages: tuple[int, ...]) -> tuple[int, int, bool, bool]:
-    """(lowest, highest, all distinct, one ascending run) of a page list. The guards of one step read it several
-    times and it is O(pages), so the last list's summary is kept (by identity: a page list is an
-    immutable tuple). One ascending run, the usual case, is recognised by a comparison in C."""
+    """(lowest, highest, all distinct, one ascending run) of a page list. The guards of one step
+    read it several times and it is O(pages), so the last tuple's summary is kept (by identity:
+    a tuple is immutable). One ascending run, the usual case, is recognised by a comparison in C."""
     global _SUMMARY
     last = _SUMMARY
     if last[0] is pages:

@@ -203,9 +203,10 @@ class Manager:
         """Block until every room in ``rooms`` has reached KVPoll ``until`` (default Success) or
         beyond, or failed, or until ``timeout`` seconds (None: no limit) pass; returns their
         KVPoll codes, in order. Armed timers fire on time meanwhile (a room's own timeouts end
-        the wait too), and so does the rank's own bookkeeping (decode's register retries). Woken by the transport threads as rooms change state: the blocking
-        alternative to calling ``poll()`` in a loop (no CPU spent while waiting, no polling
-        interval added to a transfer's latency)."""
+        the wait too), and so does the rank's own bookkeeping (decode's register retries).
+        Woken by the transport threads as rooms change state: the blocking alternative to
+        calling ``poll()`` in a loop (no CPU spent while waiting, no polling interval added to
+        a transfer's latency). Raises LocalProtocolError for a room that does not exist."""
         rooms = list(rooms)
         deadline = None if timeout is None else time.monotonic() + timeout  # real time, whatever the clock
         with self._changed:

@@ -64,7 +64,6 @@ from kvfsm.transport.base import (
 
 log = logging.getLogger("kvfsm.transport.nixl")
 
-
 MAGIC = b"KVFSMNX1"
 DESCRIPTOR_VERSION = 1
 MAX_HEADER = 64 << 10
