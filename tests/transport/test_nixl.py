@@ -70,6 +70,29 @@ def test_fold_groups_by_key_keeps_each_keys_order_and_respects_the_limits() -> N
     assert [[j.tag for j in g] for g in fold([big[0], *small, big[1]])] == [[0, "s1", "s2"], [1]]
 
 
+def _connect(a: Any, b: Any, src: np.ndarray, dst: np.ndarray, block: int, on_a: Any, on_b: Any) -> None:
+    """Two NIXL data planes that know each other: ``src`` registered on ``a``, ``dst`` on ``b``."""
+    a.set_handler(on_a)
+    b.set_handler(on_b)
+    a.register_memory(src, np.zeros(64, np.uint8), kv_block=block, aux_block=64)
+    b.register_memory(dst, np.zeros(64, np.uint8), kv_block=block, aux_block=64)
+    a.add_peer(b.name, b.descriptor())
+    b.add_peer(a.name, a.descriptor())
+
+
+def _counting(n: int) -> tuple[list[Inbound], threading.Event, Any]:
+    """A handler that collects completions and sets the event at the ``n``-th."""
+    got: list[Inbound] = []
+    done = threading.Event()
+
+    def on(item: Inbound) -> None:
+        got.append(item)
+        if len(got) == n:
+            done.set()
+
+    return got, done, on
+
+
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_queued_writes_fold_into_fewer_transfers_yet_notify_and_complete_one_by_one() -> None:
     from kvfsm.transport.nixl import NixlDataPlane
@@ -80,27 +103,15 @@ def test_queued_writes_fold_into_fewer_transfers_yet_notify_and_complete_one_by_
     dst = np.zeros(n * block, dtype=np.uint8)
     got: list[Inbound] = []
     in_place: list[bool] = []
-    done = threading.Event()
 
     def on_b(item: Inbound) -> None:
         i = int(item.data)
         in_place.append(bool((dst[i * block : (i + 1) * block] == src[i * block : (i + 1) * block]).all()))
         got.append(item)
 
-    completions: list[Inbound] = []
-
-    def on_a(item: Inbound) -> None:
-        completions.append(item)
-        if len(completions) == n:
-            done.set()
-
+    completions, done, on_a = _counting(n)
     try:
-        a.set_handler(on_a)
-        b.set_handler(on_b)
-        a.register_memory(src, np.zeros(64, np.uint8), kv_block=block, aux_block=64)
-        b.register_memory(dst, np.zeros(64, np.uint8), kv_block=block, aux_block=64)
-        a.add_peer("fold-b", b.descriptor())
-        b.add_peer("fold-a", a.descriptor())
+        _connect(a, b, src, dst, block, on_a, on_b)
         for i in range(n):  # faster than they can be copied one by one
             a.write("fold-b", "kv", [Segment(i * block, i * block, block)], str(i).encode(), ("t", i))
         assert done.wait(20)
@@ -131,21 +142,9 @@ def test_scattered_writes_fold_into_one_block_index_transfer() -> None:
     src = np.random.default_rng(2).integers(0, 256, n * per * block, dtype=np.uint8)
     dst = np.zeros_like(src)
     notes: list[bytes] = []
-    completions: list[Inbound] = []
-    done = threading.Event()
-
-    def on_a(item: Inbound) -> None:
-        completions.append(item)
-        if len(completions) == n:
-            done.set()
-
+    completions, done, on_a = _counting(n)
     try:
-        a.set_handler(on_a)
-        b.set_handler(lambda item: notes.append(item.data))
-        a.register_memory(src, np.zeros(64, np.uint8), kv_block=block, aux_block=64)
-        b.register_memory(dst, np.zeros(64, np.uint8), kv_block=block, aux_block=64)
-        a.add_peer("sfold-b", b.descriptor())
-        b.add_peer("sfold-a", a.descriptor())
+        _connect(a, b, src, dst, block, on_a, lambda item: notes.append(item.data))
         last = n * per - 1
         for i in range(n):  # destination pages in reverse order: one descriptor per page
             segs = [Segment((i * per + k) * block, (last - i * per - k) * block, block) for k in range(per)]
