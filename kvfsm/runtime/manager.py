@@ -85,13 +85,16 @@ class RoomRuntime:
     descriptors: int = 0
 
 
-def coalesce(src_pages: Iterable[int], dst_pages: Iterable[int], page_bytes: int) -> list[Segment]:
-    """Turn page pairs into as few contiguous segments as possible (one per run)."""
+def coalesce(
+    src_pages: Iterable[int], dst_pages: Iterable[int], page_bytes: int, *, one_run: bool = False
+) -> list[Segment]:
+    """Turn page pairs into as few contiguous segments as possible (one per run). ``one_run``:
+    the caller already knows both lists are one ascending run each (``PostWrite.contiguous``)."""
     src_pages, dst_pages = tuple(src_pages), tuple(dst_pages)
     n = len(src_pages)
     if n and n == len(dst_pages):
         s0, d0 = src_pages[0], dst_pages[0]
-        if src_pages == tuple(range(s0, s0 + n)) and dst_pages == tuple(range(d0, d0 + n)):
+        if one_run or (src_pages == tuple(range(s0, s0 + n)) and dst_pages == tuple(range(d0, d0 + n))):
             return [Segment(s0 * page_bytes, d0 * page_bytes, n * page_bytes)]  # fast path: one run
     segs: list[Segment] = []
     run_s = run_d = run_n = 0

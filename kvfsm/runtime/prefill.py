@@ -20,7 +20,7 @@ from kvfsm.protocol.events import (
 from kvfsm.protocol.rooms import PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, coalesce, log
-from kvfsm.transport.base import Inbound, Segment
+from kvfsm.transport.base import Inbound
 
 
 class KVSender(RoomHandle):
@@ -217,11 +217,7 @@ class PrefillManager(Manager):
         rid = action.room
         chunk_id = action.chunk_id if isinstance(action, PostWrite) else AUX_WRITE
         if isinstance(action, PostWrite):
-            if action.contiguous and action.src_pages:  # one run on both sides (the core checked)
-                n = len(action.src_pages) * self.page_bytes
-                segments = [Segment(action.src_pages[0] * self.page_bytes, action.dst_pages[0] * self.page_bytes, n)]
-            else:
-                segments = coalesce(action.src_pages, action.dst_pages, self.page_bytes)
+            segments = coalesce(action.src_pages, action.dst_pages, self.page_bytes, one_run=action.contiguous)
             region = "kv"
         else:
             segments = coalesce((action.src_slot,), (action.dst_slot,), self.aux_slot_bytes)
