@@ -855,6 +855,8 @@ class Model:
             if isinstance(ev, PagesAnnounced):  # runtime: tell the announcer, nothing was written
                 for msg in (RoomFailed(room, rank, ""), Drained(room, rank)):
                     self._enqueue(b, ("m", self.node("P", rank), self.node("D", ev.dest_rank), _msg_tuple(msg)))
+            elif isinstance(ev, AbortReceived) and ev.side == "decode":  # runtime: the aborter is fenced
+                self._drained_reply(b, rank, room, ev.rank)
 
     def _do_create(self, b: _Builder, idx: int, side: str, room: int, rank: int) -> None:
         prior = b.slots[idx]

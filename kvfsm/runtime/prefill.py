@@ -185,6 +185,10 @@ class PrefillManager(Manager):
             if isinstance(event, PagesAnnounced):
                 self._send(event.dest_rank, RoomFailed(rid, self.rank, reason))
                 self._send(event.dest_rank, Drained(rid, self.rank))
+            elif isinstance(event, AbortReceived) and event.side == "decode":
+                # a decode rank that aborted is fenced, and this rank never wrote into its pages:
+                # it may release them now, not at its fence timer (its room_pages may be lost)
+                self._send(event.rank, Drained(rid, self.rank))
 
     def _on_completion(self, item: Inbound) -> None:
         tag = item.tag
