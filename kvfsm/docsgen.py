@@ -257,11 +257,16 @@ def render_messages(spec: ProtocolSpec) -> str:
         f"Protocol `{spec.name}`, version {spec.version}, {spec.mode} mode.",
         spec.summary,
         "## Envelope",
-        "Every message is one UTF-8 JSON object, its fields beside the envelope keys:",
+        "A control message is one UTF-8 JSON object, its fields beside the envelope keys:",
         f'```json\n{{"v": {spec.version}, "t": "<message name>", "<field>": <value>, ...}}\n```',
         "`v` is the protocol version and `t` the message name below. A decoder checks the version, "
         "the exact field set and every field's declared type; a message that fails is dropped and "
         "counted, and never reaches a room machine.",
+        "A message with a binary id (the notifications, one per chunk on the data path) is written "
+        "in a fixed little-endian layout instead: the byte `0xB1`, the protocol version (u16), the "
+        "binary id (u8), then its fields in the order below (u32: 4 bytes, u64: 8, bool: one byte, "
+        "0 or 1). A decoder tells the two apart by the first byte, checks the version, the exact "
+        "length and every value's range, and accepts the JSON form of these messages too.",
         f"Field types used: {_codes(types)}.",
         "## Messages",
         _table(
@@ -272,7 +277,8 @@ def render_messages(spec: ProtocolSpec) -> str:
     for msg in spec.messages.values():
         parts += [
             f"### `{msg.name}`",
-            f"Plane: {msg.plane}. Direction: `{msg.direction}`.",
+            f"Plane: {msg.plane}. Direction: `{msg.direction}`."
+            + (f" Binary id: {msg.binary_id}." if msg.binary_id is not None else ""),
             msg.why,
             _table(["field", "type"], ([_code(n), _code(t)] for n, t in msg.fields.items())),
         ]

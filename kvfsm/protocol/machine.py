@@ -108,6 +108,7 @@ class CompiledRow:
     unless: tuple[Callable[[Any, Any], bool], ...]
     dest: str | None
     callbacks: tuple[Callback, ...]
+    tests: tuple[tuple[Callable[[Any, Any], bool], bool], ...] = ()  # (guard, required result), in order
 
 
 class RoomMachine:
@@ -130,6 +131,14 @@ class RoomMachine:
         )
         self.machine = self._build_transitions()
         self.table = self._compile()
+        # (state, trigger) whose rows share a guard (P9-P11 all test chunk_ok): step evaluates
+        # each guard once there. Guards are pure functions of (room, event) and no action runs
+        # before a row is chosen, so a second evaluation could only repeat the first.
+        self._shared_guards = {
+            key
+            for key, rows in self.table.items()
+            if len(fns := [g for r in rows for g in (*r.conditions, *r.unless)]) != len(set(fns))
+        }
 
     # ------------------------------------------------------------------ building
 
@@ -159,13 +168,16 @@ class RoomMachine:
                 rows = []
                 for t in transitions:
                     marks = [cb for cb in t.after if isinstance(cb, _RowMark)]
+                    conditions = tuple(cast(_GuardCall, c.func).fn for c in t.conditions if c.target)
+                    unless = tuple(cast(_GuardCall, c.func).fn for c in t.conditions if not c.target)
                     rows.append(
                         CompiledRow(
                             row_id=marks[-1].row_id,
-                            conditions=tuple(cast(_GuardCall, c.func).fn for c in t.conditions if c.target),
-                            unless=tuple(cast(_GuardCall, c.func).fn for c in t.conditions if not c.target),
+                            conditions=conditions,
+                            unless=unless,
                             dest=t.dest,
                             callbacks=tuple(cast(list[Callback], t.after)),
+                            tests=(*((g, True) for g in conditions), *((g, False) for g in unless)),
                         )
                     )
                 table[(state, trigger)] = tuple(rows)
@@ -199,8 +211,11 @@ class RoomMachine:
     def step(self, room: Any, event: Event, now: float) -> list[Action]:
         """Apply ``event`` to ``room`` (compiled table). Returns the actions to carry out next."""
         ctx = StepContext(now, self.timeouts, source=room.state)
-        rows = self.table.get((room.state, event.trigger))
+        key = (room.state, event.trigger)
+        rows = self.table.get(key)
         if rows is not None:
+            if key in self._shared_guards:
+                return self._step_shared(room, event, ctx, rows)
             for row in rows:
                 for g in row.conditions:
                     if not g(room, event):
@@ -215,6 +230,24 @@ class RoomMachine:
                         for cb in row.callbacks:
                             cb(room, event, ctx)
                         return ctx.out
+        return self._reject(room, event, ctx, rows)
+
+    def _step_shared(self, room: Any, event: Any, ctx: StepContext, rows: tuple[CompiledRow, ...]) -> list[Action]:
+        """``step`` for rows that share guards: each guard is evaluated at most once."""
+        seen: dict[Callable[[Any, Any], bool], bool] = {}
+        for row in rows:
+            for g, want in row.tests:
+                v = seen.get(g)
+                if v is None:
+                    v = seen[g] = bool(g(room, event))
+                if v is not want:
+                    break
+            else:
+                if row.dest is not None:
+                    room.state = row.dest
+                for cb in row.callbacks:
+                    cb(room, event, ctx)
+                return ctx.out
         return self._reject(room, event, ctx, rows)
 
     def step_reference(self, room: Any, event: Event, now: float) -> list[Action]:
@@ -259,7 +292,11 @@ class Protocol:
         timeouts = timeouts or {}
         self.prefill = RoomMachine(self.spec.machines["prefill_room"], self.spec.kvpoll, timeouts.get("prefill"))
         self.decode = RoomMachine(self.spec.machines["decode_room"], self.spec.kvpoll, timeouts.get("decode"))
-        self.codec = Codec(self.spec.version, {n: m.fields for n, m in self.spec.messages.items()})
+        self.codec = Codec(
+            self.spec.version,
+            {n: m.fields for n, m in self.spec.messages.items()},
+            {n: m.binary_id for n, m in self.spec.messages.items() if m.binary_id is not None},
+        )
 
     def machine_for(self, side: str, timeouts: dict[str, float] | None = None) -> RoomMachine:
         """The machine of ``side``; with ``timeouts`` (timer -> seconds, timers of the other side

@@ -94,6 +94,7 @@ class MessageSpec:
     direction: str
     fields: dict[str, str]
     why: str
+    binary_id: int | None = None  # fixed binary layout instead of JSON (messages.toml header)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,9 +218,12 @@ def load_spec(directory: str | None = None) -> ProtocolSpec:
         if e.cause not in ("local", "remote"):
             raise SpecError(f"event {e.key}: cause must be local or remote")
     messages = {
-        name: MessageSpec(name, m["plane"], m["direction"], dict(m["fields"]), m.get("why", ""))
+        name: MessageSpec(name, m["plane"], m["direction"], dict(m["fields"]), m.get("why", ""), m.get("binary_id"))
         for name, m in tomllib.loads((d / "messages.toml").read_text())["messages"].items()
     }
+    ids = [m.binary_id for m in messages.values() if m.binary_id is not None]
+    if len(ids) != len(set(ids)) or any(type(i) is not int or not 0 < i < 256 for i in ids):
+        raise SpecError(f"messages: binary_id must be distinct integers in [1, 255], got {ids}")
     machines = {}
     for f in ("prefill_room.toml", "decode_room.toml"):
         ms = _load_machine(d / f, kvpoll, set(events))

@@ -1,5 +1,8 @@
 """Wire messages: every type round-trips; decode refuses anything that is not exactly a message.
 
+``CODEC`` speaks JSON only (every message has a JSON form); ``BINARY`` is the runtime's codec,
+which writes the notifications in their fixed binary layout and reads both forms.
+
 Everything refused is a MalformedMessage (UnsupportedVersion for another protocol version), which
 the runtime drops and counts: a peer's bytes never raise anything else.
 """
@@ -13,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from protocol_kit import MACHINES, Wire
 
-from kvfsm.protocol import MalformedMessage, UnsupportedVersion, load_spec
+from kvfsm.protocol import MalformedMessage, Protocol, SpecError, UnsupportedVersion, load_spec
 from kvfsm.protocol.events import WritesDrained
-from kvfsm.protocol.wire import MAX_LIST, MAX_STR, MESSAGE_CLASSES, Codec, Drained
+from kvfsm.protocol.wire import BINARY_MAGIC, MAX_LIST, MAX_STR, MESSAGE_CLASSES, ChunkWritten, Codec, Drained
 
 SPEC = load_spec()
 CODEC = Codec(SPEC.version, {n: m.fields for n, m in SPEC.messages.items()})
@@ -86,7 +89,7 @@ def test_decode_rejects_json_that_is_not_an_object(data):
         CODEC.decode(data)
 
 
-@pytest.mark.parametrize("version", [0, 2, SPEC.version + 1, "1", None, [1]])
+@pytest.mark.parametrize("version", [0, SPEC.version - 1, SPEC.version + 1, "1", None, [1]])
 def test_decode_rejects_another_protocol_version(version):
     with pytest.raises(UnsupportedVersion):
         CODEC.decode(raw(envelope("abort", v=version)))
@@ -250,3 +253,73 @@ def test_a_drained_message_becomes_the_decode_rooms_writes_drained_event(msg):
     assert event == WritesDrained(msg.prefill_rank)
     assert event.trigger in MACHINES["decode"].spec.triggers and event.cause == "remote"
     assert not MACHINES["prefill"].accepts("Failed", event.trigger), "drained only ever goes to decode"
+
+
+# ---------------------------------------------------------------------- binary notifications
+
+BINARY = Protocol().codec  # the codec the runtime uses: notifications in their binary layout
+BINARY_NAMES = sorted(n for n, m in SPEC.messages.items() if m.binary_id is not None)
+
+
+def test_the_notifications_and_only_they_have_a_binary_layout():
+    assert BINARY_NAMES == sorted(n for n, m in SPEC.messages.items() if m.plane == "notification")
+    assert BINARY_NAMES == ["aux_written", "chunk_written"]
+
+
+@pytest.mark.parametrize("name", sorted(SPEC.messages))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_runtime_codec_round_trips_every_message(data, name):
+    msg = data.draw(message_of(name))
+    wire = BINARY.encode(msg)
+    if name in BINARY_NAMES:
+        widths = {"u32": 4, "u64": 8, "bool": 1}
+        assert wire[0] == BINARY_MAGIC and int.from_bytes(wire[1:3], "little") == SPEC.version
+        assert wire[3] == SPEC.messages[name].binary_id
+        assert len(wire) == 4 + sum(widths[t] for t in SPEC.messages[name].fields.values())
+    else:
+        assert json.loads(wire)["t"] == name
+    assert BINARY.decode(wire) == msg
+    assert BINARY.decode(CODEC.encode(msg)) == msg  # the JSON form of a notification is still accepted
+
+
+def _chunk_written() -> bytes:
+    return BINARY.encode(ChunkWritten(room=7, src=1, chunk_id=2, is_last=True, page_start=8, num_pages=4))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda b: b[:-1], MalformedMessage, "bytes, the binary layout has"),
+        (lambda b: b + b"\x00", MalformedMessage, "bytes, the binary layout has"),
+        (lambda b: b[:3], MalformedMessage, "no header"),
+        (lambda b: b[:3] + b"\x63" + b[4:], MalformedMessage, "unknown binary message id 99"),
+        (lambda b: b[:1] + (SPEC.version + 1).to_bytes(2, "little") + b[3:], UnsupportedVersion, "version"),
+        (lambda b: b[:20] + b"\x02" + b[21:], MalformedMessage, "expected a boolean"),  # is_last = 2
+        (lambda b: b[:4] + (2**63).to_bytes(8, "little") + b[12:], MalformedMessage, r"\[0, 2\*\*63\)|in \[0, "),
+    ],
+    ids=["short", "long", "header-only", "unknown-id", "other-version", "bool-2", "u64-overflow"],
+)
+def test_a_binary_message_is_refused_unless_exactly_valid(mutate, error, match):
+    good = _chunk_written()
+    assert BINARY.decode(good).is_last is True
+    with pytest.raises(error, match=match):
+        BINARY.decode(mutate(good))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=40).map(lambda b: b"\xb1" + b) | st.binary(min_size=29, max_size=29))
+def test_arbitrary_binary_bytes_decode_or_raise_malformed_message_only(data):
+    try:
+        msg = BINARY.decode(data)
+    except MalformedMessage:
+        return
+    assert BINARY.decode(BINARY.encode(msg)) == msg  # whatever decodes is a valid message
+
+
+def test_a_binary_layout_needs_fixed_width_fields_and_a_version_that_fits():
+    fields = {n: m.fields for n, m in SPEC.messages.items()}
+    with pytest.raises(SpecError, match="fixed-width"):
+        Codec(SPEC.version, fields, {"abort": 3})  # abort carries strings
+    with pytest.raises(SpecError, match="u16"):
+        Codec(1 << 16, fields, {"drained": 3})
