@@ -23,7 +23,8 @@ Layouts: ``contig`` (a chunk is adjacent 64 KiB pages on both sides: one descrip
 and ``scattered`` (4 KiB pages, destination pages in reverse order: one descriptor per page).
 Figures are GB/s (1e9 bytes moved once per second), the median of ``--reps`` (5) repetitions;
 ratio = kvfsm / raw. ``*_post_seconds`` is the time spent inside NIXL's post over all
-repetitions (on CPU memory UCX copies the bytes there).
+repetitions (on CPU memory UCX copies the bytes there); ``kvfsm_send_seconds`` the median time
+the engine spent handing chunks to ``send()``.
 
 Writes JSON (default bench/results/transfer.json). ``--check`` exits 1 if kvfsm falls below
 0.9x raw NIXL for any contiguous case with chunks >= 1 MiB.
@@ -99,7 +100,7 @@ def _raw_agent(name: str, params: dict[str, str]) -> Any:
 
     agent_cls, config_cls, _ = load_nixl()
     agent = agent_cls(name, config_cls(enable_prog_thread=False, backends=[]))
-    agent.create_backend("UCX", params)
+    agent.create_backend("UCX", _split_params(params)[0])
     return agent
 
 
@@ -205,10 +206,23 @@ def _kvfsm_endpoint(name: str, side: str, bootstrap: str, params: dict[str, str]
     from kvfsm.transport.nixl import NixlDataPlane
     from kvfsm.transport.zmq import ZmqControlPlane
 
+    ucx, knobs = _split_params(params)
     return SplitEndpoint(
         ZmqControlPlane(name, bootstrap=bootstrap, side=side, rank=0),
-        NixlDataPlane(name, backend_params=params),
+        NixlDataPlane(name, backend_params=ucx, **knobs),
     )
+
+
+def _split_params(params: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
+    """UCX backend parameters, and ``--plane`` options of kvfsm's data plane (``plane.`` keys)."""
+    ucx = {k: v for k, v in params.items() if not k.startswith("plane.")}
+    knobs: dict[str, Any] = {}
+    for k, v in params.items():
+        if k == "plane.progress_thread":
+            knobs["progress_thread"] = v.lower() in ("1", "y", "yes", "true")
+        elif k.startswith("plane."):
+            knobs[k[len("plane.") :]] = float(v)
+    return ucx, knobs
 
 
 def _wait_all(mgr: Any, rooms: list[int], code: int, limit: float = 120.0) -> None:
@@ -247,7 +261,7 @@ def kvfsm_initiator(
         chunk_pages = [[pages_of(case, r, c, "prefill") for r in range(rooms)] for c in range(chunks)]
         descriptors = mgr.stats()["counters"].get("descriptors", 0)
         posted = ep.data.stats["post_ns"]
-        times = []
+        times, handing = [], []
         for _ in range(reps + 1):
             ids = list(range(room_id, room_id + rooms))
             room_id += rooms
@@ -259,6 +273,7 @@ def kvfsm_initiator(
                 last = c == chunks - 1
                 for r, s in enumerate(senders):
                     s.send(chunk_pages[c][r], is_last=last, aux_slot=r if last else None)
+            handing.append(time.perf_counter() - t0)
             _wait_all(mgr, ids, KVPoll.Success)
             times.append(time.perf_counter() - t0)
             for s in senders:
@@ -266,6 +281,7 @@ def kvfsm_initiator(
             if not conn.recv():
                 raise RuntimeError(f"decode found mismatched bytes in case {case}")
         case["kvfsm_seconds"] = statistics.median(times[1:])
+        case["kvfsm_send_seconds"] = statistics.median(handing[1:])  # the engine's send() calls alone
         case["kvfsm_post_seconds"] = (ep.data.stats["post_ns"] - posted) / 1e9
         total = mgr.stats()["counters"].get("descriptors", 0)
         case["kvfsm_descriptors_per_chunk"] = (total - descriptors) / ((reps + 1) * rooms * chunks)
@@ -420,11 +436,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="initiator's buffer: cpu (DRAM) or cuda[:N] (VRAM)")
     ap.add_argument("--target-device", default=None, help="target's buffer (default: the same as --device)")
     ap.add_argument("--ucx", action="append", default=[], help="UCX backend parameter KEY=VALUE")
+    ap.add_argument(
+        "--plane",
+        action="append",
+        default=[],
+        help="kvfsm NixlDataPlane option KEY=VALUE: progress_thread=1, busy_poll_s, idle_poll_s, hot_window_s",
+    )
     ap.add_argument("--sizes", help="comma-separated chunk sizes in KiB (default: 4 KiB ... 256 MiB)")
     ap.add_argument("--layouts", default="contig,scattered", help="contig, scattered or both")
     ap.add_argument("--check", action="store_true", help="exit 1 if kvfsm < 0.9x raw for contiguous chunks >= 1 MiB")
     args = ap.parse_args(argv)
     params = dict(kv.split("=", 1) for kv in args.ucx)
+    params.update(("plane." + k, v) for k, v in (kv.split("=", 1) for kv in args.plane))
     sizes = QUICK_SIZES if args.quick else SIZES
     if args.sizes:
         sizes = [int(k) << 10 for k in args.sizes.split(",")]

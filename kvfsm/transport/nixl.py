@@ -70,9 +70,10 @@ MAX_HEADER = 64 << 10
 MAX_METADATA = 16 << 20
 REGIONS: tuple[Region, ...] = ("kv", "aux")
 _LOCAL = "NIXL_INIT_AGENT"
-BATCH_MAGIC = b"\x00KVB"  # a protocol notification is JSON and never starts with NUL
+BATCH_MAGIC = b"\x00KVB"  # a protocol notification starts with "{" (JSON) or 0xB1, never NUL
 MAX_BATCH = 64  # writes folded into one transfer at most
 MAX_BATCH_BYTES = 64 << 20  # bytes per folded transfer at most (bounds the first write's delay)
+KICK_EVERY = 8  # a writer hands the GIL over at least every this many writes (see _post)
 SCAN_AHEAD = 4  # in-flight transfers still in progress after which a round stops checking
 FULL_SCAN_S = 0.01  # every in-flight transfer is checked at least this often
 MAX_DEFER_S = 0.002  # the longest the poller stands back for posts before it takes its turn
@@ -329,6 +330,7 @@ class NixlDataPlane:
         self._queued = threading.Condition()
         self._queued_bytes = 0  # bytes of the queued jobs
         self._poster_idle = False  # the posting thread waits for jobs
+        self._unkicked = 0  # writes queued since a writer last handed the GIL over
         self._poller = threading.Thread(target=self._poll_loop, name=f"nixl-{name}", daemon=True)
         self._poster = threading.Thread(target=self._post_loop, name=f"nixl-{name}-post", daemon=True)
         self._poller.start()
@@ -477,12 +479,22 @@ class NixlDataPlane:
         with self._queued:
             self._jobs.append(job)
             self._queued_bytes += total
-            kick = self._poster_idle or len(self._jobs) >= MAX_BATCH or self._queued_bytes >= MAX_BATCH_BYTES
+            self._unkicked += 1
+            kick = (
+                self._poster_idle
+                or self._unkicked >= KICK_EVERY
+                or len(self._jobs) >= MAX_BATCH
+                or self._queued_bytes >= MAX_BATCH_BYTES
+            )
+            if kick:
+                self._unkicked = 0
             self._queued.notify()
         if kick:
             # Hand the GIL to the posting thread now rather than when the interpreter's switch
             # interval (5 ms) takes it from a caller still busy handing over chunks: the first
-            # write of a burst starts moving at once, and a full batch goes as soon as it is full.
+            # write of a burst starts moving at once, a full batch goes as soon as it is full, and
+            # a posting thread back from a NIXL call (which drops the GIL) waits at most
+            # KICK_EVERY writes for it, not 5 ms: its copies are the critical path.
             time.sleep(0)
         return total
 
@@ -611,13 +623,15 @@ class NixlDataPlane:
                 log.exception("%s: NIXL progress failed", self.name)
             busy = bool(self._inflight)
             handler = self._handler
-            for item in items:
+            for n, item in enumerate(items, 1):
                 if handler is None:
                     break
                 try:
                     handler(item)
                 except Exception:  # noqa: BLE001 - a handler's bug must not stop progress
                     log.exception("%s: handler raised on %s", self.name, item.kind)
+                if not n % KICK_EVERY and not self._poster_idle:
+                    time.sleep(0)  # let the posting thread back in between (it feeds the copies)
             if items:
                 idle_since = now
             if busy or now - idle_since < self.hot_window_s:
