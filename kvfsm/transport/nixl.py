@@ -73,7 +73,8 @@ _LOCAL = "NIXL_INIT_AGENT"
 BATCH_MAGIC = b"\x00KVB"  # a protocol notification starts with "{" (JSON) or 0xB1, never NUL
 MAX_BATCH = 64  # writes folded into one transfer at most
 MAX_BATCH_BYTES = 64 << 20  # bytes per folded transfer at most (bounds the first write's delay)
-KICK_EVERY = 8  # a writer hands the GIL over at least every this many writes (see _post)
+HOST_TO_HOST = ("DRAM", "DRAM")
+KICK_EVERY = 8  # host-memory writes: the GIL goes to the posting thread at least this often (see _post)
 SCAN_AHEAD = 4  # in-flight transfers still in progress after which a round stops checking
 FULL_SCAN_S = 0.01  # every in-flight transfer is checked at least this often
 MAX_DEFER_S = 0.002  # the longest the poller stands back for posts before it takes its turn
@@ -331,6 +332,7 @@ class NixlDataPlane:
         self._queued_bytes = 0  # bytes of the queued jobs
         self._poster_idle = False  # the posting thread waits for jobs
         self._unkicked = 0  # writes queued since a writer last handed the GIL over
+        self._host_post = False  # the posting thread's latest transfer copies host to host (in the post)
         self._poller = threading.Thread(target=self._poll_loop, name=f"nixl-{name}", daemon=True)
         self._poster = threading.Thread(target=self._post_loop, name=f"nixl-{name}-post", daemon=True)
         self._poller.start()
@@ -482,7 +484,7 @@ class NixlDataPlane:
             self._unkicked += 1
             kick = (
                 self._poster_idle
-                or self._unkicked >= KICK_EVERY
+                or (self._unkicked >= KICK_EVERY and job.mems == HOST_TO_HOST)
                 or len(self._jobs) >= MAX_BATCH
                 or self._queued_bytes >= MAX_BATCH_BYTES
             )
@@ -492,9 +494,12 @@ class NixlDataPlane:
         if kick:
             # Hand the GIL to the posting thread now rather than when the interpreter's switch
             # interval (5 ms) takes it from a caller still busy handing over chunks: the first
-            # write of a burst starts moving at once, a full batch goes as soon as it is full, and
-            # a posting thread back from a NIXL call (which drops the GIL) waits at most
-            # KICK_EVERY writes for it, not 5 ms: its copies are the critical path.
+            # write of a burst starts moving at once and a full batch goes as soon as it is full.
+            # Between host memories UCX copies inside the post, so the posting thread is the
+            # copy engine: back from a post (which drops the GIL) it waits at most KICK_EVERY
+            # writes for the GIL, not 5 ms. GPU copies are asynchronous and the post returns at
+            # once; there every hand-off only costs (measured: 0.52x raw at 1 MiB without, 0.38x
+            # with one every 8 writes, 0.26x every 2).
             time.sleep(0)
         return total
 
@@ -540,6 +545,7 @@ class NixlDataPlane:
         """Post one transfer for ``group`` (one job, or several folded ones); a failure completes
         every job in it as failed."""
         first = group[0]
+        self._host_post = first.mems == HOST_TO_HOST
         tags = [j.tag for j in group]
         note = first.note if len(group) == 1 else pack_notifications([j.note for j in group])
         total = sum(j.total for j in group)
@@ -630,8 +636,8 @@ class NixlDataPlane:
                     handler(item)
                 except Exception:  # noqa: BLE001 - a handler's bug must not stop progress
                     log.exception("%s: handler raised on %s", self.name, item.kind)
-                if not n % KICK_EVERY and not self._poster_idle:
-                    time.sleep(0)  # let the posting thread back in between (it feeds the copies)
+                if not n % KICK_EVERY and self._host_post and not self._poster_idle:
+                    time.sleep(0)  # let the posting thread (copying host memory) back in between
             if items:
                 idle_since = now
             if busy or now - idle_since < self.hot_window_s:
