@@ -193,6 +193,9 @@ class Manager:
         self.pool = WorkerPool(self.config.workers if self.side == "prefill" else 0, name=f"{self.side}{rank}")
         endpoint.register_memory(self.kv, self.aux, kv_block=page_bytes, aux_block=aux_slot_bytes)
         endpoint.set_handler(self._on_inbound)
+        batch = getattr(endpoint, "set_batch_handler", None)
+        if batch is not None:
+            batch(self._on_inbound_batch)
 
     # ------------------------------------------------------------------ engine-facing helpers
 
@@ -471,6 +474,14 @@ class Manager:
         except Exception:  # noqa: BLE001 - last line of defence: never kill the transport thread
             self.telemetry.count("internal_errors")
             log.exception("%s%d: error handling %s from %s", self.side, self.rank, item.kind, item.peer)
+
+    def _on_inbound_batch(self, items: list[Inbound]) -> None:
+        """Several items under one acquisition of the lock (a NIXL poll round: the completions
+        of a folded transfer): an engine thread handing over chunks meanwhile waits once, not
+        once per item. Never raises, as ``_on_inbound``."""
+        with self._lock:
+            for item in items:
+                self._on_inbound(item)
 
     def _room_for_message(self, rid: int, what: str) -> RoomRuntime | None:
         rt = self._rooms.get(rid)

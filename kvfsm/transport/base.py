@@ -57,6 +57,12 @@ class Inbound:
 
 
 Handler = Callable[[Inbound], None]
+# Optional: several items at once, in order, as if handed one by one. A transport that collects
+# items in rounds (the NIXL poller: a folded transfer completes many writes at once) offers
+# ``set_batch_handler`` and hands a round over in one call: the runtime takes its lock once for
+# the round instead of once per item, so a thread that hands over chunks meanwhile is not woken
+# and preempted for each completion.
+BatchHandler = Callable[[list[Inbound]], None]
 AddPeer = Callable[[str, bytes], None]
 RemovePeer = Callable[[str], None]
 
@@ -218,6 +224,12 @@ class SplitEndpoint:
     def set_handler(self, handler: Handler) -> None:
         self.data.set_handler(handler)
         self.control.set_handler(handler)
+
+    def set_batch_handler(self, batch: BatchHandler) -> None:
+        """Pass a batch handler on to a data plane that offers ``set_batch_handler``."""
+        setter = getattr(self.data, "set_batch_handler", None)
+        if setter is not None:
+            setter(batch)
 
     def register_memory(self, kv: Any, aux: Any, *, kv_block: int = 0, aux_block: int = 0) -> None:
         self.data.register_memory(kv, aux, kv_block=kv_block, aux_block=aux_block)

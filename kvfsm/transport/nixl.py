@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from kvfsm.transport.base import (
+    BatchHandler,
     Handler,
     Inbound,
     MemoryRegion,
@@ -303,6 +304,7 @@ class NixlDataPlane:
             raise TransportError(f"cannot create NIXL agent {name!r} with a UCX backend: {exc!r}") from exc
         self._lock = threading.Lock()
         self._handler: Handler | None = None
+        self._batch_handler: BatchHandler | None = None
         self._local: dict[str, MemoryRegion] = {}
         self._blocks: dict[str, int] = {}
         self._reg: list[Any] = []
@@ -342,6 +344,10 @@ class NixlDataPlane:
 
     def set_handler(self, handler: Handler) -> None:
         self._handler = handler
+
+    def set_batch_handler(self, batch: BatchHandler) -> None:
+        """Hand each poll round's items over in one call (see ``BatchHandler``)."""
+        self._batch_handler = batch
 
     def register_memory(self, kv: Any, aux: Any, *, kv_block: int = 0, aux_block: int = 0) -> None:
         regions = {"kv": as_region(kv), "aux": as_region(aux)}
@@ -628,16 +634,7 @@ class NixlDataPlane:
             except Exception:  # noqa: BLE001 - the poller must survive anything
                 log.exception("%s: NIXL progress failed", self.name)
             busy = bool(self._inflight)
-            handler = self._handler
-            for n, item in enumerate(items, 1):
-                if handler is None:
-                    break
-                try:
-                    handler(item)
-                except Exception:  # noqa: BLE001 - a handler's bug must not stop progress
-                    log.exception("%s: handler raised on %s", self.name, item.kind)
-                if not n % KICK_EVERY and self._host_post and not self._poster_idle:
-                    time.sleep(0)  # let the posting thread (copying host memory) back in between
+            self._hand_over(items)
             if items:
                 idle_since = now
             if busy or now - idle_since < self.hot_window_s:
@@ -645,6 +642,29 @@ class NixlDataPlane:
             else:
                 self._wake.wait(self.idle_poll_s)
                 self._wake.clear()
+
+    def _hand_over(self, items: list[Inbound]) -> None:
+        """Give a round's items to the handler: in one call if a batch handler is set, in slices
+        of KICK_EVERY while the posting thread copies host memory (it gets the GIL in between)."""
+        handler, batch = self._handler, self._batch_handler
+        step = KICK_EVERY if self._host_post else len(items)
+        for start in range(0, len(items), max(step, 1)):
+            part = items[start : start + step]
+            if start and not self._poster_idle:
+                time.sleep(0)  # let the posting thread (copying host memory) back in between
+            if batch is not None:
+                try:
+                    batch(part)
+                except Exception:  # noqa: BLE001 - a handler's bug must not stop progress
+                    log.exception("%s: batch handler raised on %d items", self.name, len(part))
+                continue
+            for item in part:
+                if handler is None:
+                    return
+                try:
+                    handler(item)
+                except Exception:  # noqa: BLE001 - a handler's bug must not stop progress
+                    log.exception("%s: handler raised on %s", self.name, item.kind)
 
     def _progress(self, items: list[Inbound], full: bool) -> None:
         """One round of progress. The lock is taken per agent call, not for the round, so that

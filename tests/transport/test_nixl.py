@@ -132,6 +132,44 @@ def test_queued_writes_fold_into_fewer_transfers_yet_notify_and_complete_one_by_
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_a_batch_handler_gets_each_poll_rounds_items_in_one_call() -> None:
+    """With ``set_batch_handler`` the poller hands a round over in one call (the runtime takes
+    its lock once for it): the completions of a folded transfer arrive together, each write's
+    exactly once, and the per-item handler sees none of them."""
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    block, n = 4096, 48
+    a, b = NixlDataPlane("batch-a"), NixlDataPlane("batch-b")
+    src = np.random.default_rng(2).integers(0, 256, n * block, dtype=np.uint8)
+    dst = np.zeros(n * block, dtype=np.uint8)
+    single: list[Inbound] = []
+    calls: list[list[Inbound]] = []
+    done = threading.Event()
+
+    def on_batch(items: list[Inbound]) -> None:
+        calls.append(list(items))
+        if sum(len(c) for c in calls) >= n:
+            done.set()
+
+    try:
+        _connect(a, b, src, dst, block, single.append, lambda item: None)
+        a.set_batch_handler(on_batch)
+        with a._queued:  # hold the posting thread back so that all n fold into few transfers
+            for i in range(n):
+                a.write("batch-b", "kv", [Segment(i * block, i * block, block)], b"n", ("t", i))
+        assert done.wait(20)
+        tags = [item.tag for call in calls for item in call]
+        assert sorted(tags) == [("t", i) for i in range(n)] and len(tags) == n
+        assert all(item.kind == "completion" and item.ok for call in calls for item in call)
+        assert max(len(c) for c in calls) > 1 and len(calls) < n  # rounds, not items
+        assert single == []
+        assert a.stats["transfers"] < n
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_scattered_writes_fold_into_one_block_index_transfer() -> None:
     """Writes of many short runs go through the prepared block lists; queued together, their
     block indices are concatenated into one transfer, and each write still lands and notifies."""
