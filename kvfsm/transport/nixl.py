@@ -496,7 +496,8 @@ class NixlDataPlane:
             )
             if kick:
                 self._unkicked = 0
-            self._queued.notify()
+            if self._poster_idle:  # a busy posting thread looks at the queue before it waits again
+                self._queued.notify()
         if kick:
             # Hand the GIL to the posting thread now rather than when the interpreter's switch
             # interval (5 ms) takes it from a caller still busy handing over chunks: the first
