@@ -111,6 +111,15 @@ class CompiledRow:
     tests: tuple[tuple[Callable[[Any, Any], bool], bool], ...] = ()  # (guard, required result), in order
 
 
+def _fire(room: Any, event: Any, ctx: StepContext, row: CompiledRow) -> list[Action]:
+    """Take ``row``: enter its destination and run its actions."""
+    if row.dest is not None:
+        room.state = row.dest
+    for cb in row.callbacks:
+        cb(room, event, ctx)
+    return ctx.out
+
+
 class RoomMachine:
     """One machine kind (prefill_room or decode_room), shared by every room of that kind."""
 
@@ -225,11 +234,7 @@ class RoomMachine:
                         if g(room, event):
                             break
                     else:
-                        if row.dest is not None:
-                            room.state = row.dest
-                        for cb in row.callbacks:
-                            cb(room, event, ctx)
-                        return ctx.out
+                        return _fire(room, event, ctx, row)
         return self._reject(room, event, ctx, rows)
 
     def _step_shared(self, room: Any, event: Any, ctx: StepContext, rows: tuple[CompiledRow, ...]) -> list[Action]:
@@ -243,11 +248,7 @@ class RoomMachine:
                 if v is not want:
                     break
             else:
-                if row.dest is not None:
-                    room.state = row.dest
-                for cb in row.callbacks:
-                    cb(room, event, ctx)
-                return ctx.out
+                return _fire(room, event, ctx, row)
         return self._reject(room, event, ctx, rows)
 
     def step_reference(self, room: Any, event: Event, now: float) -> list[Action]:
