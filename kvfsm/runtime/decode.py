@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvfsm.protocol import Protocol
@@ -27,7 +27,7 @@ from kvfsm.protocol.wire import (
     RegisterAck,
     RoomFailed,
 )
-from kvfsm.runtime.manager import Manager, RoomHandle, log
+from kvfsm.runtime.manager import Manager, RoomHandle, as_index, as_pages, log
 
 
 class KVReceiver(RoomHandle):
@@ -41,10 +41,11 @@ class KVReceiver(RoomHandle):
         refused until every source confirmed its writes drained, died, or the fence timer expired."""
         return self.manager.state(self.room) == "Fenced"
 
-    def init(self, pages: list[int] | tuple[int, ...], aux_slot: int) -> None:
+    def init(self, pages: Sequence[int] | Any, aux_slot: int) -> None:
         """Announce the allocated pages and aux slot to every source. Call once poll() says
-        WaitingForInput; raises LocalProtocolError otherwise or if pages are outside the region."""
-        self.manager._local(self.room, PagesAllocated(tuple(pages), aux_slot))
+        WaitingForInput; raises LocalProtocolError otherwise or if pages are outside the region.
+        ``pages``: a list, tuple or range of ints, or a 1-D integer numpy array or tensor."""
+        self.manager._local(self.room, PagesAllocated(as_pages(pages), as_index(aux_slot, "aux_slot")))
 
 
 class DecodeManager(Manager):
@@ -79,7 +80,8 @@ class DecodeManager(Manager):
     def create_receiver(self, room: int, sources: tuple[int, ...] | None = None, required_dests: int = 1) -> KVReceiver:
         """Create room ``room``: ``sources`` are the prefill ranks it receives KV from (default:
         the same rank, equal TP); ``required_dests`` is how many decode ranks each of them feeds."""
-        sources = (self.rank,) if sources is None else tuple(sources)
+        sources = (self.rank,) if sources is None else tuple(as_index(s, "a source rank") for s in sources)
+        required_dests = as_index(required_dests, "required_dests")
         unknown = [s for s in sources if s not in self._peer_names]
         if not sources or unknown:
             from kvfsm.protocol import LocalProtocolError

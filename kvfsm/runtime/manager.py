@@ -18,6 +18,7 @@ and counted with a logged reason; it never raises out of the runtime.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections import deque
@@ -108,6 +109,44 @@ def coalesce(
     if run_n:
         segs.append(Segment(run_s * page_bytes, run_d * page_bytes, run_n * page_bytes))
     return segs
+
+
+def as_pages(pages: Any) -> tuple[int, ...]:
+    """Page indices as a tuple of Python ints, whatever the engine holds them in: a list, tuple or
+    range of ints, or a 1-D integer array (numpy, torch: SGLang passes ``kv_indices`` as numpy).
+    Anything else (floats, bools, nested lists, strings) raises LocalProtocolError before the
+    room changes: a numpy scalar left in a page list would otherwise fail only when the message
+    is encoded, after the room had already moved on."""
+    tolist = getattr(pages, "tolist", None)
+    if tolist is not None and not isinstance(pages, list | tuple | range):
+        pages = tolist()
+    if type(pages) is tuple:
+        t = pages
+    elif isinstance(pages, str | bytes) or not hasattr(pages, "__iter__"):
+        raise LocalProtocolError(f"page indices must be integers, not {type(pages).__name__}")
+    else:
+        t = tuple(pages)
+    if t and not set(map(type, t)) <= {int}:
+        try:
+            t = tuple(_as_int(p) for p in t)
+        except TypeError as exc:
+            raise LocalProtocolError(f"page indices must be integers: {exc}") from None
+    return t
+
+
+def as_index(x: Any, what: str) -> int:
+    """An aux slot, rank or count as a Python int (numpy and torch integers too);
+    LocalProtocolError naming ``what`` if it is not an integer."""
+    try:
+        return _as_int(x)
+    except TypeError as exc:
+        raise LocalProtocolError(f"{what} must be an integer: {exc}") from None
+
+
+def _as_int(x: Any) -> int:
+    if isinstance(x, bool) or type(x).__name__ == "bool_":
+        raise TypeError(f"{x!r} is a boolean")
+    return operator.index(x)
 
 
 class RoomHandle:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from kvfsm.protocol import LocalProtocolError, PostAuxWrite, PostWrite, Protocol
@@ -19,7 +20,7 @@ from kvfsm.protocol.events import (
 )
 from kvfsm.protocol.rooms import PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
-from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, coalesce, log
+from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, as_index, as_pages, coalesce, log
 from kvfsm.transport.base import Inbound
 
 
@@ -35,11 +36,13 @@ class KVSender(RoomHandle):
             rt = self.manager._rooms.get(self.room)
             return bool(rt is not None and rt.room.inflight)
 
-    def send(self, pages: list[int] | tuple[int, ...], is_last: bool = False, aux_slot: int | None = None) -> None:
-        """Hand over the next chunk: local page indices; the last chunk carries the aux slot.
-        Chunks ready before decode announced its pages are held (scenario 2). Raises
-        LocalProtocolError on misuse (a chunk after the last, pages outside the KV region)."""
-        self.manager._local(self.room, ChunkReady(tuple(pages), is_last, aux_slot))
+    def send(self, pages: Sequence[int] | Any, is_last: bool = False, aux_slot: int | None = None) -> None:
+        """Hand over the next chunk: local page indices (a list, tuple or range of ints, or a 1-D
+        integer numpy array or tensor); the last chunk carries the aux slot. Chunks ready before
+        decode announced its pages are held (scenario 2). Raises LocalProtocolError on misuse (a
+        chunk after the last, pages outside the KV region, indices that are not integers)."""
+        slot = None if aux_slot is None else as_index(aux_slot, "aux_slot")
+        self.manager._local(self.room, ChunkReady(as_pages(pages), bool(is_last), slot))
 
 
 class PrefillManager(Manager):
