@@ -13,7 +13,8 @@ An ``Endpoint`` is both ports for one (side, rank). ``loopback`` implements both
 ``SplitEndpoint`` joins a separate control plane (``zmq``) and data plane (``nixl``). Everything
 inbound (messages, notifications, completions, peer loss) reaches the owner through the handler it
 installed with ``set_handler``, possibly from a transport thread; the runtime turns each into
-protocol events.
+protocol events. A transport that collects items in rounds may also offer ``set_batch_handler``
+and hand a round over in one call (``BatchHandler``).
 """
 
 from __future__ import annotations
