@@ -108,7 +108,6 @@ class CompiledRow:
     unless: tuple[Callable[[Any, Any], bool], ...]
     dest: str | None
     callbacks: tuple[Callback, ...]
-    tests: tuple[tuple[Callable[[Any, Any], bool], bool], ...] = ()  # (guard, required result), in order
 
 
 def _fire(room: Any, event: Any, ctx: StepContext, row: CompiledRow) -> list[Action]:
@@ -177,16 +176,13 @@ class RoomMachine:
                 rows = []
                 for t in transitions:
                     marks = [cb for cb in t.after if isinstance(cb, _RowMark)]
-                    conditions = tuple(cast(_GuardCall, c.func).fn for c in t.conditions if c.target)
-                    unless = tuple(cast(_GuardCall, c.func).fn for c in t.conditions if not c.target)
                     rows.append(
                         CompiledRow(
                             row_id=marks[-1].row_id,
-                            conditions=conditions,
-                            unless=unless,
+                            conditions=tuple(cast(_GuardCall, c.func).fn for c in t.conditions if c.target),
+                            unless=tuple(cast(_GuardCall, c.func).fn for c in t.conditions if not c.target),
                             dest=t.dest,
                             callbacks=tuple(cast(list[Callback], t.after)),
-                            tests=(*((g, True) for g in conditions), *((g, False) for g in unless)),
                         )
                     )
                 table[(state, trigger)] = tuple(rows)
@@ -241,13 +237,18 @@ class RoomMachine:
         """``step`` for rows that share guards: each guard is evaluated at most once."""
         seen: dict[Callable[[Any, Any], bool], bool] = {}
         for row in rows:
-            for g, want in row.tests:
-                v = seen.get(g)
-                if v is None:
-                    v = seen[g] = bool(g(room, event))
-                if v is not want:
+            ok = True
+            for guards, want in ((row.conditions, True), (row.unless, False)):
+                for g in guards:
+                    v = seen.get(g)
+                    if v is None:
+                        v = seen[g] = bool(g(room, event))
+                    if v is not want:
+                        ok = False
+                        break
+                if not ok:
                     break
-            else:
+            if ok:
                 return _fire(room, event, ctx, row)
         return self._reject(room, event, ctx, rows)
 

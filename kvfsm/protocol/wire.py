@@ -26,6 +26,7 @@ MAX_MESSAGE = 16 << 20  # bytes; a room_pages of MAX_LIST pages fits
 U32 = 1 << 32
 U64 = 1 << 63
 BINARY_MAGIC = 0xB1  # first byte of a binary message (a JSON message starts with "{")
+_MAGIC_BYTE = bytes((BINARY_MAGIC,))
 _HEADER = "<BHB"  # magic, version, binary_id
 _BINARY_FORMATS = {"u32": "I", "u64": "Q", "bool": "B"}
 
@@ -177,14 +178,14 @@ class Codec:
         extra = set(message_fields) - set(MESSAGE_CLASSES)
         if extra:
             raise SpecError(f"messages declared in spec without a class: {sorted(extra)}")
+        if binary_ids and not 0 < version < 1 << 16:
+            raise SpecError(f"protocol version {version} does not fit the binary header (u16)")
         for name, bid in (binary_ids or {}).items():
             declared = message_fields[name]
             wide = [t for t in declared.values() if t not in _BINARY_FORMATS]
             if wide:
                 raise SpecError(f"message {name!r}: binary_id needs fixed-width fields, not {wide}")
             layout = struct.Struct(_HEADER + "".join(_BINARY_FORMATS[t] for t in declared.values()))
-            if not 0 < version < 1 << 16:
-                raise SpecError(f"protocol version {version} does not fit the binary header (u16)")
             self._bin_out[name] = (layout, bid, tuple(declared))
             types = list(declared.values())
             bools = tuple(3 + i for i, t in enumerate(types) if t == "bool")
@@ -206,7 +207,7 @@ class Codec:
         """Decode and validate; raises MalformedMessage or UnsupportedVersion (drop and count)."""
         if len(data) > MAX_MESSAGE:
             raise MalformedMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
-        if data[:1] == b"\xb1":
+        if data[:1] == _MAGIC_BYTE:
             return self._decode_binary(data)
         try:
             obj = json.loads(data)
