@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfsm.protocol.records import fast_init
 from kvfsm.protocol.wire import AuxWritten, ChunkWritten, Message
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class SendMessage:
     """Send ``message`` on the control plane to rank ``peer_rank`` of the other side."""
@@ -15,6 +17,7 @@ class SendMessage:
     message: Message
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PostWrite:
     """Write the KV of ``src_pages`` (local) into ``dst_pages`` of ``dest_rank``, then deliver
@@ -30,6 +33,7 @@ class PostWrite:
     contiguous: bool = field(default=False, compare=False)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PostAuxWrite:
     """Write local aux slot ``src_slot`` into aux slot ``dst_slot`` of ``dest_rank``, then
@@ -42,6 +46,7 @@ class PostAuxWrite:
     notification: AuxWritten
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class SetTimer:
     """(Re-)arm timer ``timer`` of this room to fire at ``deadline`` (same clock as ``now``)."""
@@ -50,11 +55,13 @@ class SetTimer:
     deadline: float
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CancelTimer:
     timer: str
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RecordIgnored:
     """An event was accepted and dropped on purpose (duplicate, late); count and log it."""
@@ -62,6 +69,7 @@ class RecordIgnored:
     reason: str
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RecordProtocolError:
     """A remote event no row accepted: the room failed; count and log it."""

@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from kvfsm.protocol.records import fast_init
+
 Cause = Literal["local", "remote"]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ChunkReady:
     pages: tuple[int, ...]
@@ -21,6 +24,7 @@ class ChunkReady:
     cause: ClassVar[Cause] = "local"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PagesAllocated:
     pages: tuple[int, ...]
@@ -29,12 +33,14 @@ class PagesAllocated:
     cause: ClassVar[Cause] = "local"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PeersReady:
     trigger: ClassVar[str] = "peers_ready"
     cause: ClassVar[Cause] = "local"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Abort:
     reason: str = "aborted by engine"
@@ -42,12 +48,14 @@ class Abort:
     cause: ClassVar[Cause] = "local"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Clear:
     trigger: ClassVar[str] = "clear"
     cause: ClassVar[Cause] = "local"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class TimerFired:
     """A timer reached its deadline. Its trigger is the timer's own (spec ``[timers.X].trigger``)."""
@@ -60,6 +68,7 @@ class TimerFired:
         return f"{self.timer}_timeout"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PagesAnnounced:
     dest_rank: int
@@ -72,6 +81,7 @@ class PagesAnnounced:
     cause: ClassVar[Cause] = "remote"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class WriteCompleted:
     dest_rank: int
@@ -80,6 +90,7 @@ class WriteCompleted:
     cause: ClassVar[Cause] = "remote"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class WriteFailed:
     dest_rank: int
@@ -89,6 +100,7 @@ class WriteFailed:
     cause: ClassVar[Cause] = "remote"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ChunkArrived:
     src: int
@@ -100,6 +112,7 @@ class ChunkArrived:
     cause: ClassVar[Cause] = "remote"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class AuxArrived:
     src: int
@@ -107,6 +120,7 @@ class AuxArrived:
     cause: ClassVar[Cause] = "remote"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class AbortReceived:
     rank: int
@@ -116,6 +130,7 @@ class AbortReceived:
     cause: ClassVar[Cause] = "remote"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class FailureReceived:
     prefill_rank: int
@@ -124,6 +139,7 @@ class FailureReceived:
     cause: ClassVar[Cause] = "remote"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PeerLost:
     peer_rank: int
@@ -132,6 +148,7 @@ class PeerLost:
     cause: ClassVar[Cause] = "remote"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class WritesDrained:
     prefill_rank: int

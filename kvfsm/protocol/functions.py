@@ -10,7 +10,7 @@ The registry maps spec names to functions; an unknown name fails when machines a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,17 +156,21 @@ def announce_completes(room: PrefillRoom, ev: Any) -> bool:
     return bool(len(room.dests) + 1 == ev.required_dests)
 
 
-def _fits(room: PrefillRoom, dests: list[Announcement], pages_before: int, chunks: list[ChunkReady]) -> bool:
-    total = pages_before + sum(len(c.pages) for c in chunks)
-    last = any(c.is_last for c in chunks)
-    return all(total <= len(d.pages) and (not last or total == len(d.pages)) for d in dests)
+def _fits(dests: Iterable[Announcement], total: int, last: bool) -> bool:
+    """``total`` pages handed over fit every announcement; exactly, if the last chunk is among them."""
+    for d in dests:
+        n = len(d.pages)
+        if total > n or (last and total != n):
+            return False
+    return True
 
 
 @guard
 def held_fit_after_announce(room: PrefillRoom, ev: Any) -> bool:
     """The held chunks fit the pages of every decode rank (exactly, if the last one is held)."""
     dests = [*room.dests.values(), Announcement(ev.pages, ev.aux_slot)]
-    return _fits(room, dests, room.cursor, room.held)
+    total = room.cursor + sum(len(c.pages) for c in room.held)
+    return _fits(dests, total, any(c.is_last for c in room.held))
 
 
 @guard
@@ -202,7 +206,7 @@ EXPLAIN["chunk_ok"] = _chunk_problem
 @guard
 def chunk_fits(room: PrefillRoom, ev: ChunkReady) -> bool:
     """The chunk fits every announcement; the last one ends exactly at the announced page count."""
-    return _fits(room, list(room.dests.values()), room.cursor, [ev])
+    return _fits(room.dests.values(), room.cursor + len(ev.pages), ev.is_last)
 
 
 @guard

@@ -107,15 +107,18 @@ class CompiledRow:
     conditions: tuple[Callable[[Any, Any], bool], ...]
     unless: tuple[Callable[[Any, Any], bool], ...]
     dest: str | None
-    callbacks: tuple[Callback, ...]
+    # the row's ``after`` callbacks unwrapped: (action function, spec argument) of each _Bound in
+    # order, the closing _RowMark being ``row_id`` (one call per action, not two)
+    actions: tuple[tuple[Callable[[Any, Any, StepContext, str], None], str], ...]
 
 
 def _fire(room: Any, event: Any, ctx: StepContext, row: CompiledRow) -> list[Action]:
-    """Take ``row``: enter its destination and run its actions."""
+    """Take ``row``: enter its destination, run its actions, then record the row (as _RowMark)."""
     if row.dest is not None:
         room.state = row.dest
-    for cb in row.callbacks:
-        cb(room, event, ctx)
+    for fn, arg in row.actions:
+        fn(room, event, ctx, arg)
+    room.last_row = row.row_id
     return ctx.out
 
 
@@ -175,14 +178,15 @@ class RoomMachine:
             for state, transitions in event.transitions.items():
                 rows = []
                 for t in transitions:
-                    marks = [cb for cb in t.after if isinstance(cb, _RowMark)]
+                    *bound, mark = t.after  # as _build_transitions made them: actions, then the row mark
+                    assert isinstance(mark, _RowMark) and all(isinstance(cb, _Bound) for cb in bound), t.after
                     rows.append(
                         CompiledRow(
-                            row_id=marks[-1].row_id,
+                            row_id=mark.row_id,
                             conditions=tuple(cast(_GuardCall, c.func).fn for c in t.conditions if c.target),
                             unless=tuple(cast(_GuardCall, c.func).fn for c in t.conditions if not c.target),
                             dest=t.dest,
-                            callbacks=tuple(cast(list[Callback], t.after)),
+                            actions=tuple((cb.fn, cb.arg) for cb in cast(list[_Bound], bound)),
                         )
                     )
                 table[(state, trigger)] = tuple(rows)
@@ -215,7 +219,7 @@ class RoomMachine:
 
     def step(self, room: Any, event: Event, now: float) -> list[Action]:
         """Apply ``event`` to ``room`` (compiled table). Returns the actions to carry out next."""
-        ctx = StepContext(now, self.timeouts, source=room.state)
+        ctx = StepContext(now, self.timeouts, room.state)
         key = (room.state, event.trigger)
         rows = self.table.get(key)
         if rows is not None:
@@ -237,19 +241,21 @@ class RoomMachine:
         """``step`` for rows that share guards: each guard is evaluated at most once."""
         seen: dict[Callable[[Any, Any], bool], bool] = {}
         for row in rows:
-            ok = True
-            for guards, want in ((row.conditions, True), (row.unless, False)):
-                for g in guards:
+            for g in row.conditions:
+                v = seen.get(g)
+                if v is None:
+                    v = seen[g] = bool(g(room, event))
+                if not v:
+                    break
+            else:
+                for g in row.unless:
                     v = seen.get(g)
                     if v is None:
                         v = seen[g] = bool(g(room, event))
-                    if v is not want:
-                        ok = False
+                    if v:
                         break
-                if not ok:
-                    break
-            if ok:
-                return _fire(room, event, ctx, row)
+                else:
+                    return _fire(room, event, ctx, row)
         return self._reject(room, event, ctx, rows)
 
     def step_reference(self, room: Any, event: Event, now: float) -> list[Action]:

@@ -117,16 +117,14 @@ def as_pages(pages: Any) -> tuple[int, ...]:
     Anything else (floats, bools, nested lists, strings) raises LocalProtocolError before the
     room changes: a numpy scalar left in a page list would otherwise fail only when the message
     is encoded, after the room had already moved on."""
-    tolist = getattr(pages, "tolist", None)
-    if tolist is not None and not isinstance(pages, list | tuple | range):
-        pages = tolist()
-    if type(pages) is tuple:
-        t = pages
-    elif isinstance(pages, str | bytes) or not hasattr(pages, "__iter__"):
-        raise LocalProtocolError(f"page indices must be integers, not {type(pages).__name__}")
-    else:
-        t = tuple(pages)
-    if t and not set(map(type, t)) <= {int}:
+    if type(pages) is not list and type(pages) is not tuple:  # the usual inputs need no probing
+        tolist = getattr(pages, "tolist", None)
+        if tolist is not None and not isinstance(pages, list | tuple | range):
+            pages = tolist()
+        if isinstance(pages, str | bytes) or not hasattr(pages, "__iter__"):
+            raise LocalProtocolError(f"page indices must be integers, not {type(pages).__name__}")
+    t = pages if type(pages) is tuple else tuple(pages)
+    if t and [*map(type, t)].count(int) != len(t):  # not all exact ints (a C loop; a set of types costs more)
         try:
             t = tuple(_as_int(p) for p in t)
         except TypeError as exc:
@@ -387,7 +385,7 @@ class Manager:
         self._drain()
 
     def _drain(self) -> None:
-        if self._draining:
+        if self._draining or not self._queue:  # nested, or nothing raised: the usual case
             return
         self._draining = True
         try:
@@ -450,16 +448,18 @@ class Manager:
     def _execute(self, rt: RoomRuntime, actions: list[Action], now: float) -> None:
         rid = rt.room.room
         for a in actions:
-            if isinstance(a, SendMessage):
-                self._send(a.peer_rank, a.message)
-            elif isinstance(a, SetTimer):
+            # most frequent first: every chunk and completion arms a timer, every chunk posts (two
+            # isinstance calls, not one on PostWrite | PostAuxWrite: that builds a union each time)
+            if isinstance(a, SetTimer):
                 self._timers.set(rid, a.timer, a.deadline)
-            elif isinstance(a, CancelTimer):
-                self._timers.cancel(rid, a.timer)
-            elif isinstance(a, PostWrite | PostAuxWrite):
+            elif isinstance(a, PostWrite) or isinstance(a, PostAuxWrite):
                 if rt.started is None:
                     rt.started = now
                 self._post(rt, a)
+            elif isinstance(a, CancelTimer):
+                self._timers.cancel(rid, a.timer)
+            elif isinstance(a, SendMessage):
+                self._send(a.peer_rank, a.message)
             elif isinstance(a, RecordIgnored):
                 self.telemetry.count("ignored")
                 log.debug("%s%d room %d: ignored %s", self.side, self.rank, rid, a.reason)
@@ -489,30 +489,8 @@ class Manager:
 
     def _on_inbound(self, item: Inbound) -> None:
         """Transport handler: never raises (a peer's bad input is counted, not propagated)."""
-        try:
-            with self._lock:
-                if item.kind in ("message", "notification"):
-                    try:
-                        msg = self.codec.decode(item.data)
-                    except UnsupportedVersion as exc:
-                        self._count_drop("unsupported_version", f"from {item.peer}: {exc}")
-                        log.warning("%s%d: %s from %s", self.side, self.rank, exc, item.peer)
-                        return
-                    except MalformedMessage as exc:
-                        self._count_drop("malformed", f"from {item.peer}: {exc}")
-                        log.warning("%s%d: malformed message from %s: %s", self.side, self.rank, item.peer, exc)
-                        return
-                    self.telemetry.count("messages_in")
-                    self._on_message(item.peer, item.kind, msg)
-                elif item.kind == "completion":
-                    self._on_completion(item)
-                elif item.kind == "peer_lost":
-                    self.telemetry.count("peers_lost")
-                    self._on_peer_lost(item.peer, item.reason)
-                self._drain()
-        except Exception:  # noqa: BLE001 - last line of defence: never kill the transport thread
-            self.telemetry.count("internal_errors")
-            log.exception("%s%d: error handling %s from %s", self.side, self.rank, item.kind, item.peer)
+        with self._lock:
+            self._handle_inbound(item)
 
     def _on_inbound_batch(self, items: list[Inbound]) -> None:
         """Several items under one acquisition of the lock (a NIXL poll round: the completions
@@ -520,7 +498,33 @@ class Manager:
         once per item. Never raises, as ``_on_inbound``."""
         with self._lock:
             for item in items:
-                self._on_inbound(item)
+                self._handle_inbound(item)
+
+    def _handle_inbound(self, item: Inbound) -> None:
+        """One inbound item, the lock held. Never raises."""
+        try:
+            if item.kind == "completion":  # the most frequent kind on prefill
+                self._on_completion(item)
+            elif item.kind in ("message", "notification"):
+                try:
+                    msg = self.codec.decode(item.data)
+                except UnsupportedVersion as exc:
+                    self._count_drop("unsupported_version", f"from {item.peer}: {exc}")
+                    log.warning("%s%d: %s from %s", self.side, self.rank, exc, item.peer)
+                    return
+                except MalformedMessage as exc:
+                    self._count_drop("malformed", f"from {item.peer}: {exc}")
+                    log.warning("%s%d: malformed message from %s: %s", self.side, self.rank, item.peer, exc)
+                    return
+                self.telemetry.count("messages_in")
+                self._on_message(item.peer, item.kind, msg)
+            elif item.kind == "peer_lost":
+                self.telemetry.count("peers_lost")
+                self._on_peer_lost(item.peer, item.reason)
+            self._drain()
+        except Exception:  # noqa: BLE001 - last line of defence: never kill the transport thread
+            self.telemetry.count("internal_errors")
+            log.exception("%s%d: error handling %s from %s", self.side, self.rank, item.kind, item.peer)
 
     def _room_for_message(self, rid: int, what: str) -> RoomRuntime | None:
         rt = self._rooms.get(rid)

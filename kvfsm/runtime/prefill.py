@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 from kvfsm.protocol import LocalProtocolError, PostAuxWrite, PostWrite, Protocol
@@ -21,7 +22,10 @@ from kvfsm.protocol.events import (
 from kvfsm.protocol.rooms import PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, as_index, as_pages, coalesce, log
-from kvfsm.transport.base import Inbound
+from kvfsm.transport.base import Inbound, Segment
+
+_LENGTH = attrgetter("length")  # of a Segment (map in C: one write has one segment, mostly)
+WriteTag = tuple[int, int, int]  # (room, dest_rank, chunk_id | AUX_WRITE): the transport's completion tag
 
 
 class KVSender(RoomHandle):
@@ -220,33 +224,37 @@ class PrefillManager(Manager):
     # ------------------------------------------------------------------ writes
 
     def _post(self, rt: RoomRuntime, action: PostWrite | PostAuxWrite) -> None:
-        peer = self._peer_names.get(action.dest_rank)
-        rid = action.room
-        chunk_id = action.chunk_id if isinstance(action, PostWrite) else AUX_WRITE
         if isinstance(action, PostWrite):
+            chunk_id = action.chunk_id
             segments = coalesce(action.src_pages, action.dst_pages, self.page_bytes, one_run=action.contiguous)
             region = "kv"
         else:
+            chunk_id = AUX_WRITE
             segments = coalesce((action.src_slot,), (action.dst_slot,), self.aux_slot_bytes)
             region = "aux"
         note = self.codec.encode(action.notification)
-        rt.bytes += sum(s.length for s in segments)
+        rt.bytes += sum(map(_LENGTH, segments))
         rt.descriptors += len(segments)
         self.telemetry.count("writes_posted")
         self.telemetry.count("descriptors", len(segments))
-        tag = (rid, action.dest_rank, chunk_id)
+        peer = self._peer_names.get(action.dest_rank)  # the route as it is now, when posted
+        tag = (action.room, action.dest_rank, chunk_id)
+        self.pool.submit(action.room, self._write, (peer, region, segments, note, tag), self._write_failed)
 
-        def job() -> None:
-            if peer is None:
-                raise LocalProtocolError(f"no route to decode rank {action.dest_rank}")
-            moved = self.endpoint.write(peer, region, segments, note, tag)  # type: ignore[arg-type]
-            self.telemetry.count("bytes_written", moved)
+    def _write(self, peer: str | None, region: str, segments: list[Segment], note: bytes, tag: WriteTag) -> None:
+        """Transfer job of one posted write (a worker thread, or inline with workers=0)."""
+        if peer is None:
+            raise LocalProtocolError(f"no route to decode rank {tag[1]}")
+        moved = self.endpoint.write(peer, region, segments, note, tag)  # type: ignore[arg-type]
+        self.telemetry.count("bytes_written", moved)
 
-        def on_error(exc: BaseException) -> None:
-            self.telemetry.count("write_errors")
-            log.warning("prefill%d room %d: write to decode rank %d failed: %r", self.rank, rid, action.dest_rank, exc)
-            with self._lock:
-                if rid in self._rooms:
-                    self._dispatch(rid, WriteFailed(action.dest_rank, chunk_id, f"{type(exc).__name__}: {exc}"))
-
-        self.pool.submit(rid, job, on_error)
+    def _write_failed(
+        self, exc: BaseException, peer: str | None, region: str, segments: list[Segment], note: bytes, tag: WriteTag
+    ) -> None:
+        """``_write`` raised: the write failed (WriteFailed for its room, if it still exists)."""
+        rid, dest_rank, chunk_id = tag
+        self.telemetry.count("write_errors")
+        log.warning("prefill%d room %d: write to decode rank %d failed: %r", self.rank, rid, dest_rank, exc)
+        with self._lock:
+            if rid in self._rooms:
+                self._dispatch(rid, WriteFailed(dest_rank, chunk_id, f"{type(exc).__name__}: {exc}"))

@@ -7,7 +7,7 @@ percentiles (p50/p95/p99), so memory stays bounded however many rooms pass throu
 from __future__ import annotations
 
 import threading
-from collections import Counter, deque
+from collections import deque
 from typing import Any
 
 
@@ -50,12 +50,18 @@ class Histogram:
 class Telemetry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.counters: Counter[str] = Counter()
+        # a plain dict, not a Counter: item access on a dict subclass is not specialised by the
+        # interpreter, and count() runs several times per chunk
+        self.counters: dict[str, int] = {}
         self.histograms: dict[str, Histogram] = {}
 
     def count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.counters[name] += n
+        # acquire/release rather than ``with``: the context-manager protocol costs ~90 ns more
+        self._lock.acquire()
+        try:
+            self.counters[name] = self.counters.get(name, 0) + n
+        finally:
+            self._lock.release()
 
     def observe(self, name: str, value: float) -> None:
         with self._lock:

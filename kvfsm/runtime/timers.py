@@ -27,12 +27,14 @@ class TimerWheel:
         return timers is not None and timers.get(timer) == seq
 
     def set(self, room: int, timer: str, deadline: float) -> None:
-        self._seq += 1
-        timers = self._armed.setdefault(room, {})
+        seq = self._seq = self._seq + 1
+        timers = self._armed.get(room)
+        if timers is None:  # not setdefault: a room re-arms on every chunk, a new dict each time
+            timers = self._armed[room] = {}
         if timer not in timers:
             self._count += 1
-        timers[timer] = self._seq
-        heapq.heappush(self._heap, (deadline, self._seq, room, timer))
+        timers[timer] = seq
+        heapq.heappush(self._heap, (deadline, seq, room, timer))
         if len(self._heap) > 1024 and len(self._heap) > 4 * self._count:
             self._compact()
 

@@ -4,6 +4,8 @@ Every job of one room lands on the same worker, so a room's writes stay ordered 
 destination only delays its own shard. A job that raises never kills its worker: the exception
 is handed to the job's ``on_error`` (the runtime turns it into a WriteFailed event for that room).
 ``workers=0`` runs jobs inline in the caller: deterministic, for tests and trace replay.
+A job is a function and its arguments, not a closure over them: the runtime submits one per
+write, and so builds no closures (nor cells for their variables) on the per-chunk path.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("kvfsm.runtime")
 
-Job = tuple[Callable[[], None], Callable[[BaseException], None]]
+# (job, its arguments, on_error): job(*args); if it raises, on_error(exc, *args)
+Job = tuple[Callable[..., None], tuple[Any, ...], Callable[..., None]]
 
 
 class WorkerPool:
@@ -31,21 +35,25 @@ class WorkerPool:
         for t in self._threads:
             t.start()
 
-    def submit(self, shard: int, job: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
+    def submit(
+        self, shard: int, job: Callable[..., None], args: tuple[Any, ...], on_error: Callable[..., None]
+    ) -> None:
+        """Run ``job(*args)`` on the worker of ``shard`` (inline with workers=0); if it raises,
+        ``on_error(exc, *args)`` runs there instead."""
         if not self._queues:
-            self._execute(job, on_error)
+            self._execute(job, args, on_error)
             return
         with self._idle:
             self._outstanding += 1
-        self._queues[shard % len(self._queues)].put((job, on_error))
+        self._queues[shard % len(self._queues)].put((job, args, on_error))
 
     @staticmethod
-    def _execute(job: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
+    def _execute(job: Callable[..., None], args: tuple[Any, ...], on_error: Callable[..., None]) -> None:
         try:
-            job()
+            job(*args)
         except BaseException as exc:  # noqa: BLE001 - a worker must survive anything a job raises
             try:
-                on_error(exc)
+                on_error(exc, *args)
             except BaseException:  # noqa: BLE001
                 log.exception("error handler of a transfer job raised")
 
