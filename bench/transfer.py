@@ -221,8 +221,18 @@ def _split_params(params: dict[str, str]) -> tuple[dict[str, str], dict[str, Any
         if k == "plane.progress_thread":
             knobs["progress_thread"] = v.lower() in ("1", "y", "yes", "true")
         elif k.startswith("plane."):
-            knobs[k[len("plane.") :]] = float(v)
+            knobs[k[len("plane.") :]] = _number(v)
     return ucx, knobs
+
+
+def _number(v: str) -> Any:
+    """A ``--plane`` value: an int, a float, or else the text (caller_posts=never)."""
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
 
 
 def _wait_all(mgr: Any, rooms: list[int], code: int, limit: float = 120.0) -> None:
@@ -440,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         "--plane",
         action="append",
         default=[],
-        help="kvfsm NixlDataPlane option KEY=VALUE: progress_thread=1, busy_poll_s, idle_poll_s, hot_window_s",
+        help="kvfsm NixlDataPlane option KEY=VALUE: caller_posts=auto|always|never, flush_jobs, flush_bytes, "
+        "progress_thread=1, busy_poll_s, idle_poll_s, hot_window_s",
     )
     ap.add_argument("--sizes", help="comma-separated chunk sizes in KiB (default: 4 KiB ... 256 MiB)")
     ap.add_argument("--layouts", default="contig,scattered", help="contig, scattered or both")

@@ -61,6 +61,7 @@ class ClusterConfig:
     transfer_timeout: float = 5.0
     chunk_interval: float = 0.0  # prefill: seconds between a wave's chunk rounds (kill tests)
     ucx_params: dict[str, str] = field(default_factory=dict)  # NIXL UCX backend parameters
+    caller_posts: str = "auto"  # NixlDataPlane: who posts writes (auto: the caller for device memory)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for node processes (UCX_TLS...)
     prefill_host: str = "127.0.0.1"
     decode_host: str = "127.0.0.1"
@@ -127,7 +128,7 @@ def _endpoint(cfg: ClusterConfig, side: str, rank: int, bootstrap: str) -> Any:
 
     host = cfg.prefill_host if side == "prefill" else cfg.decode_host
     name = f"{side}-{rank}"
-    data = NixlDataPlane(name, backend_params=cfg.ucx_params)
+    data = NixlDataPlane(name, backend_params=cfg.ucx_params, caller_posts=cfg.caller_posts)
     control = ZmqControlPlane(
         name,
         bootstrap=bootstrap,

@@ -12,8 +12,10 @@ also be written to.
 An ``Endpoint`` is both ports for one (side, rank). ``loopback`` implements both in one object;
 ``SplitEndpoint`` joins a separate control plane (``zmq``) and data plane (``nixl``). Everything
 inbound (messages, notifications, completions, peer loss) reaches the owner through the handler it
-installed with ``set_handler``, possibly from a transport thread; the runtime turns each into
-protocol events. A transport that collects items in rounds may also offer ``set_batch_handler``
+installed with ``set_handler``, possibly from a transport thread or from inside a ``write`` call
+(the NIXL data plane hands over the completions a posting caller finds done), so a handler must
+accept being called re-entrantly; the runtime turns each into protocol events (it queues those
+that arrive while it steps a room and applies them after the step). A transport that collects items in rounds may also offer ``set_batch_handler``
 and hand a round over in one call (``BatchHandler``).
 """
 

@@ -12,11 +12,23 @@ descriptor strictly, loads its agent metadata, checks that NIXL names the agent 
 claims, and prepares the peer's regions as *remote* lists.
 
 A write (or read) is validated (bounds, peer, region) in the caller's thread and raises
-``TransportError`` before anything moves; it is then queued for the data plane's posting thread,
-which alone makes and posts transfers. Many short runs (scattered pages) become a
-``make_prepped_xfer`` over block indices of the prepared lists; anything else an
-``initialize_xfer`` over exact byte ranges. When writes queue faster than they are copied, the
-posting thread folds queued ones with the same peer, op, memory kinds and kind of descriptor
+``TransportError`` before anything moves. Who then posts it depends on where the bytes are
+(``caller_posts``, "auto" by default):
+
+* host to host (DRAM both sides): UCX copies inside the post, which takes as long as the copy,
+  so the write is queued for the data plane's posting thread, the copy engine;
+* device memory (and host writes of at most ``SMALL_HOST_BYTES``): the post only queues the
+  copy, so the caller posts it itself (``_post_now``), Nagle-style: at once if no transfer is in
+  flight, else held back until ``flush_jobs`` writes or ``flush_bytes`` are held or the poller's
+  round ends; a caller that finds the agent busy holds rather than waits (up to ``HOLD_LIMIT``
+  times ``flush_jobs``; a ``BIG_WRITE_BYTES`` write it posts at once), and when it posts it also
+  completes the transfers it finds done. Handing these to a thread costs more than posting
+  them: each NIXL call drops the GIL, and the thread that dropped it then waits for the busy
+  caller to give it back.
+
+Many short runs (scattered pages) become a ``make_prepped_xfer`` over block indices of the
+prepared lists; anything else an ``initialize_xfer`` over exact byte ranges. Writes queued or
+held together with the same peer, op, memory kinds and kind of descriptor are folded
 (``fold``: at most ``MAX_BATCH`` writes and ``MAX_BATCH_BYTES``) into one transfer whose
 notification carries each write's own (``pack_notifications``; the receiving data plane splits
 them again): fewer, larger transfers, and every write still completes and notifies on its own,
@@ -39,6 +51,7 @@ refuses its handles, which fail their transfers). Every NIXL exception becomes a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import struct
@@ -80,6 +93,12 @@ KICK_EVERY = 8  # ... and the poller lets it in between this many items it hands
 SCAN_AHEAD = 4  # in-flight transfers still in progress after which a round stops checking
 FULL_SCAN_S = 0.01  # every in-flight transfer is checked at least this often
 MAX_DEFER_S = 0.002  # the longest the poller stands back for posts before it takes its turn
+CALLER_POSTS = ("auto", "always", "never")
+SMALL_HOST_BYTES = 4096  # auto: host-to-host writes up to this size are posted by the caller too
+FLUSH_JOBS = 16  # writes the caller holds back, at most, while a transfer is in flight (see _post_now)
+FLUSH_BYTES = 8 << 20  # ... and bytes
+HOLD_LIMIT = 4  # a caller that finds the poller in a NIXL call holds up to this many times flush_jobs
+BIG_WRITE_BYTES = 32 << 20  # ... but a write this big it posts at once (it waits for the agent)
 
 
 def use_prepped(segments: int, blocks: int) -> bool:
@@ -288,9 +307,17 @@ class NixlDataPlane:
         hot_window_s: float = 0.05,
         xfer_timeout_s: float = 60.0,
         telemetry: bool = False,
+        caller_posts: str = "auto",
+        flush_jobs: int = FLUSH_JOBS,
+        flush_bytes: int = FLUSH_BYTES,
     ) -> None:
+        if caller_posts not in CALLER_POSTS:
+            raise ValueError(f"caller_posts must be one of {CALLER_POSTS}, not {caller_posts!r}")
         agent_cls, config_cls, self._nixl_errors = load_nixl()
         self.name = name
+        self.caller_posts = caller_posts
+        self.flush_jobs = max(1, int(flush_jobs))
+        self.flush_bytes = max(1, int(flush_bytes))
         self.idle_poll_s = idle_poll_s
         self.busy_poll_s = busy_poll_s
         self.hot_window_s = hot_window_s
@@ -336,6 +363,9 @@ class NixlDataPlane:
         self._poster_idle = False  # the posting thread waits for jobs
         self._unkicked = 0  # bytes queued since a writer last handed the GIL over
         self._host_post = False  # the posting thread's latest transfer copies host to host (in the post)
+        self._held: list[_Job] = []  # writes their callers hold back to post together (see _post_now)
+        self._held_bytes = 0
+        self._held_lock = threading.Lock()
         self._poller = threading.Thread(target=self._poll_loop, name=f"nixl-{name}", daemon=True)
         self._poster = threading.Thread(target=self._post_loop, name=f"nixl-{name}-post", daemon=True)
         self._poller.start()
@@ -485,6 +515,9 @@ class NixlDataPlane:
                 loff, roff = (s.src, s.dst) if op == "WRITE" else (s.dst, s.src)
                 job.lrows.append((local.addr + loff, s.length, local.device))
                 job.rrows.append((remote.addr + roff, s.length, remote.device))
+        if self._caller_posts(job):
+            self._post_now(job)
+            return total
         with self._queued:
             self._jobs.append(job)
             self._queued_bytes += total
@@ -511,6 +544,63 @@ class NixlDataPlane:
             # 8 writes, 0.26x every 2).
             time.sleep(0)
         return total
+
+    def _caller_posts(self, job: _Job) -> bool:
+        """Does the caller post this write itself (``_post_now``) rather than the posting thread?"""
+        if self.caller_posts != "auto":
+            return self.caller_posts == "always"
+        return job.mems != HOST_TO_HOST or job.total <= SMALL_HOST_BYTES
+
+    def _post_now(self, job: _Job) -> None:
+        """The caller posts: for device memory (the post only queues the copy on the GPU, so it
+        returns in microseconds) and small host writes. Handing such a write to the posting
+        thread costs more than posting it: each NIXL call drops the GIL, and a thread that
+        dropped it waits for a busy caller to give it back (up to the interpreter's switch
+        interval). So the caller posts, Nagle-style: at once when no transfer is in flight,
+        otherwise it holds the write back until ``flush_jobs`` writes or ``flush_bytes`` are
+        held, and the held writes go as one folded transfer. Nor does it wait while the poller
+        is inside a NIXL call: the writes stay held and the poller posts them when its round
+        ends (or a later write does), unless ``HOLD_LIMIT`` times ``flush_jobs`` are held or the
+        write is ``BIG_WRITE_BYTES`` or more (holding it would only delay a long copy)."""
+        with self._held_lock:
+            self._held.append(job)
+            self._held_bytes += job.total
+            held = len(self._held)
+            if self._inflight and held < self.flush_jobs and self._held_bytes < self.flush_bytes:
+                return
+            wait = job.total >= BIG_WRITE_BYTES or held >= HOLD_LIMIT * self.flush_jobs
+            if not self._lock.acquire(blocking=wait):
+                return
+            jobs = self._take_held()
+        done: list[Inbound] = []
+        try:
+            for group in fold(jobs):
+                self._submit_locked(group)
+            # The caller also completes what it finds done (the oldest few transfers): a busy
+            # caller holds the runtime's lock and the GIL most of the time, so the poller would
+            # otherwise hand completions over in bursts, late (the runtime queues what arrives
+            # while it steps a room and applies it after the step).
+            self._completions(list(self._inflight.items()), done, False, contextlib.nullcontext())
+            done += self._ready
+            self._ready.clear()
+        finally:
+            self._lock.release()
+            self._wake.set()
+        if done:
+            self._hand_over(done)
+
+    def _take_held(self) -> list[_Job]:
+        jobs, self._held, self._held_bytes = self._held, [], 0
+        return jobs
+
+    def _flush_held(self) -> None:
+        """Post what callers held back (the poller, once per round)."""
+        if not self._held:
+            return
+        with self._held_lock:
+            jobs = self._take_held()
+        for group in fold(jobs):
+            self._submit(group)
 
     def _block_indices(
         self, op: str, region: str, p: _Peer, segs: Sequence[Segment]
@@ -548,70 +638,74 @@ class NixlDataPlane:
                 self._jobs.clear()
                 self._queued_bytes = 0
             for group in fold(jobs):
+                self._host_post = group[0].mems == HOST_TO_HOST
                 self._submit(group)
 
     def _submit(self, group: list[_Job]) -> None:
         """Post one transfer for ``group`` (one job, or several folded ones); a failure completes
         every job in it as failed."""
-        first = group[0]
-        self._host_post = first.mems == HOST_TO_HOST
-        tags = [j.tag for j in group]
-        note = first.note if len(group) == 1 else pack_notifications([j.note for j in group])
-        total = sum(j.total for j in group)
         with self._posting_lock:
             self._posting += 1  # the poller stands back while a post waits (see _poll_loop)
         try:
             with self._lock:
-                if self._closed:
-                    return
-                try:
-                    if first.prepped is None and not first.lrows:
-                        self.agent.send_notif(first.peer, note)  # nothing to move
-                        self._ready.append(Inbound("completion", first.peer, tag=first.tag))
-                        return
-                    if first.prepped is not None:
-                        region = first.prepped[0]
-                        peer = self._peers.get(first.peer)
-                        if peer is None or region not in peer.prepped:
-                            raise TransportError(f"{first.peer} was removed")
-                        if len(group) == 1:
-                            lidx, ridx = first.prepped[1], first.prepped[2]
-                        else:
-                            lidx = np.concatenate([j.prepped[1] for j in group])  # type: ignore[index]
-                            ridx = np.concatenate([j.prepped[2] for j in group])  # type: ignore[index]
-                        handle = self.agent.make_prepped_xfer(
-                            first.op, self._prepped[region], lidx, peer.prepped[region], ridx, note
-                        )
-                        ndesc = len(lidx)
-                    else:
-                        lrows = [r for j in group for r in j.lrows]
-                        rrows = [r for j in group for r in j.rrows]
-                        ldescs = self.agent.get_xfer_descs(lrows, first.mems[0])
-                        rdescs = self.agent.get_xfer_descs(rrows, first.mems[1])
-                        if ldescs is None or rdescs is None:  # NIXL logs and returns None on bad input
-                            raise TransportError("NIXL rejected the descriptor list")
-                        handle = self.agent.initialize_xfer(first.op, ldescs, rdescs, first.peer, note)
-                        ndesc = len(lrows)
-                    t_post = time.perf_counter()
-                    state = self.agent.transfer(handle)
-                    self.stats["post_ns"] += int((time.perf_counter() - t_post) * 1e9)
-                    if state not in ("DONE", "PROC"):
-                        self._release(handle)
-                        raise TransportError(f"transfer state {state!r}")
-                except self._post_errors as exc:
-                    reason = f"{first.op.lower()} {self.name}->{first.peer} not posted: {exc!r}"
-                    self.stats["failed"] += len(group)
-                    self._ready += [Inbound("completion", first.peer, tag=t, ok=False, reason=reason) for t in tags]
-                    return
-                self._inflight[handle] = _Xfer(tags, first.peer, first.op, time.monotonic(), total)
-                self.stats["writes" if first.op == "WRITE" else "reads"] += len(group)
-                self.stats["transfers"] += 1
-                self.stats["bytes_posted"] += total
-                self.stats["descriptors"] += ndesc
+                self._submit_locked(group)
         finally:
             with self._posting_lock:
                 self._posting -= 1
             self._wake.set()
+
+    def _submit_locked(self, group: list[_Job]) -> None:
+        """``_submit`` with the lock held."""
+        if self._closed:
+            return
+        first = group[0]
+        tags = [j.tag for j in group]
+        note = first.note if len(group) == 1 else pack_notifications([j.note for j in group])
+        try:
+            if first.prepped is None and not first.lrows:
+                self.agent.send_notif(first.peer, note)  # nothing to move
+                self._ready.append(Inbound("completion", first.peer, tag=first.tag))
+                return
+            if first.prepped is not None:
+                region = first.prepped[0]
+                peer = self._peers.get(first.peer)
+                if peer is None or region not in peer.prepped:
+                    raise TransportError(f"{first.peer} was removed")
+                if len(group) == 1:
+                    lidx, ridx = first.prepped[1], first.prepped[2]
+                else:
+                    lidx = np.concatenate([j.prepped[1] for j in group])  # type: ignore[index]
+                    ridx = np.concatenate([j.prepped[2] for j in group])  # type: ignore[index]
+                handle = self.agent.make_prepped_xfer(
+                    first.op, self._prepped[region], lidx, peer.prepped[region], ridx, note
+                )
+                ndesc = len(lidx)
+            else:
+                lrows = [r for j in group for r in j.lrows]
+                rrows = [r for j in group for r in j.rrows]
+                ldescs = self.agent.get_xfer_descs(lrows, first.mems[0])
+                rdescs = self.agent.get_xfer_descs(rrows, first.mems[1])
+                if ldescs is None or rdescs is None:  # NIXL logs and returns None on bad input
+                    raise TransportError("NIXL rejected the descriptor list")
+                handle = self.agent.initialize_xfer(first.op, ldescs, rdescs, first.peer, note)
+                ndesc = len(lrows)
+            t_post = time.perf_counter()
+            state = self.agent.transfer(handle)
+            self.stats["post_ns"] += int((time.perf_counter() - t_post) * 1e9)
+            if state not in ("DONE", "PROC"):
+                self._release(handle)
+                raise TransportError(f"transfer state {state!r}")
+        except self._post_errors as exc:
+            reason = f"{first.op.lower()} {self.name}->{first.peer} not posted: {exc!r}"
+            self.stats["failed"] += len(group)
+            self._ready += [Inbound("completion", first.peer, tag=t, ok=False, reason=reason) for t in tags]
+            return
+        total = sum(j.total for j in group)
+        self._inflight[handle] = _Xfer(tags, first.peer, first.op, time.monotonic(), total)
+        self.stats["writes" if first.op == "WRITE" else "reads"] += len(group)
+        self.stats["transfers"] += 1
+        self.stats["bytes_posted"] += total
+        self.stats["descriptors"] += ndesc
 
     # ------------------------------------------------------------------ progress
 
@@ -634,6 +728,7 @@ class NixlDataPlane:
                 if full:
                     full_scan = now + FULL_SCAN_S
                 self._progress(items, full)
+                self._flush_held()  # what callers held back, also while this round had the agent
             except Exception:  # noqa: BLE001 - the poller must survive anything
                 log.exception("%s: NIXL progress failed", self.name)
             busy = bool(self._inflight)
@@ -670,41 +765,15 @@ class NixlDataPlane:
                     log.exception("%s: handler raised on %s", self.name, item.kind)
 
     def _progress(self, items: list[Inbound], full: bool) -> None:
-        """One round of progress. The lock is taken per agent call, not for the round, so that
-        transfer workers can post between two status checks."""
+        """One round of progress: the in-flight transfers (the oldest few, or all if ``full``)
+        and the notifications. The lock is taken per agent call, not for the round, so that a
+        post can go between two status checks."""
         with self._lock:
             if self._ready:
                 items.extend(self._ready)
                 self._ready.clear()
             pending = list(self._inflight.items())
-        now = time.monotonic()
-        still = 0
-        for handle, x in pending:
-            with self._lock:
-                if self._closed or handle not in self._inflight:
-                    continue
-                try:
-                    state = self.agent.check_xfer_state(handle)
-                    reason = ""
-                except self._nixl_errors as exc:
-                    state, reason = "ERR", f"{type(exc).__name__}: {exc}"
-                if state == "PROC" and now - x.posted > self.xfer_timeout_s:
-                    state, reason = "ERR", f"no completion within {self.xfer_timeout_s}s"
-                    self.stats["timeouts"] += 1
-                if state == "PROC":
-                    still += 1
-                    if not full and still >= SCAN_AHEAD:
-                        break
-                    continue
-                del self._inflight[handle]
-                self._release(handle)
-            if state == "DONE":
-                self.stats["completed"] += len(x.tags)
-                items += [Inbound("completion", x.peer, tag=t) for t in x.tags]
-            else:
-                self.stats["failed"] += len(x.tags)
-                why = reason or f"state {state}"
-                items += [Inbound("completion", x.peer, tag=t, ok=False, reason=why) for t in x.tags]
+        self._completions(pending, items, full, self._lock)
         with self._lock:
             if self._closed:
                 return
@@ -720,7 +789,44 @@ class NixlDataPlane:
                     self.stats["notifications"] += 1
                     items.append(Inbound("notification", peer, data=note))
 
+    def _completions(self, pending: list[tuple[Any, _Xfer]], items: list[Inbound], full: bool, guard: Any) -> None:
+        """Check ``pending`` transfers in order (under ``guard`` per check) until SCAN_AHEAD are
+        still in progress (all if ``full``); completions of the finished ones go to ``items``."""
+        now = time.monotonic()
+        still = 0
+        for handle, x in pending:
+            with guard:
+                state, reason = self._check(handle, x, now)
+            if state == "PROC":
+                still += 1
+                if not full and still >= SCAN_AHEAD:
+                    break
+            elif state == "DONE":
+                self.stats["completed"] += len(x.tags)
+                items += [Inbound("completion", x.peer, tag=t) for t in x.tags]
+            elif state != "GONE":
+                self.stats["failed"] += len(x.tags)
+                why = reason or f"state {state}"
+                items += [Inbound("completion", x.peer, tag=t, ok=False, reason=why) for t in x.tags]
+
     # ------------------------------------------------------------------ helpers (lock held)
+
+    def _check(self, handle: Any, x: _Xfer, now: float) -> tuple[str, str]:
+        """(state, reason) of one in-flight transfer: "GONE" if another round took it already;
+        a finished or timed-out one leaves ``_inflight`` and is released."""
+        if self._closed or handle not in self._inflight:
+            return "GONE", ""
+        try:
+            state, reason = self.agent.check_xfer_state(handle), ""
+        except self._nixl_errors as exc:
+            state, reason = "ERR", f"{type(exc).__name__}: {exc}"
+        if state == "PROC" and now - x.posted > self.xfer_timeout_s:
+            state, reason = "ERR", f"no completion within {self.xfer_timeout_s}s"
+            self.stats["timeouts"] += 1
+        if state != "PROC":
+            del self._inflight[handle]
+            self._release(handle)
+        return state, reason
 
     def _release(self, handle: Any) -> None:
         self._quietly(self.agent.release_xfer_handle, handle)

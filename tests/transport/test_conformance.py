@@ -83,7 +83,7 @@ class DataNet:
             from kvfsm.transport.nixl import NixlDataPlane
 
             for n in names:
-                self.planes[n] = NixlDataPlane(n)
+                self.planes[n] = NixlDataPlane(n, caller_posts=CALLER_POSTS[kind])
         for n, p in self.planes.items():
             p.set_handler(self.rec.handler(n))
             p.register_memory(self.kv[n], self.aux[n], kv_block=KV_BLOCK, aux_block=AUX_BLOCK)
@@ -107,9 +107,15 @@ class DataNet:
             p.close()
 
 
+# NIXL twice: writes posted by the data plane's posting thread, and by the caller (Nagle-style,
+# as for device memory): both paths pass the whole suite on real agents.
+CALLER_POSTS = {"nixl": "never", "nixl-caller": "always"}
 DATA_KINDS = [
     "loopback",
-    pytest.param("nixl", marks=pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")),
+    *(
+        pytest.param(k, marks=pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}"))
+        for k in CALLER_POSTS
+    ),
 ]
 
 
@@ -286,7 +292,7 @@ def test_registers_torch_tensors(data_net: DataNet) -> None:
     else:
         from kvfsm.transport.nixl import NixlDataPlane
 
-        net.planes = {n: NixlDataPlane(f"t-{n}") for n in ("x", "y")}
+        net.planes = {n: NixlDataPlane(f"t-{n}", caller_posts=CALLER_POSTS[kind]) for n in ("x", "y")}
     try:
         names = {n: p.name for n, p in net.planes.items()}
         for n, p in net.planes.items():

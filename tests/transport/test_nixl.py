@@ -1,6 +1,7 @@
 """NIXL data plane specifics (the shared contract is in test_conformance.py): writes queued faster
 than they are copied are folded into fewer transfers, and every write still gets its own
-notification, after its data, and its own completion."""
+notification, after its data, and its own completion; writes the caller posts itself go at once
+when nothing is in flight and are otherwise held back and folded."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def test_queued_writes_fold_into_fewer_transfers_yet_notify_and_complete_one_by_
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, n = 4096, 64
-    a, b = NixlDataPlane("fold-a"), NixlDataPlane("fold-b")
+    a, b = NixlDataPlane("fold-a", caller_posts="never"), NixlDataPlane("fold-b")
     src = np.random.default_rng(1).integers(0, 256, n * block, dtype=np.uint8)
     dst = np.zeros(n * block, dtype=np.uint8)
     got: list[Inbound] = []
@@ -139,7 +140,7 @@ def test_a_batch_handler_gets_each_poll_rounds_items_in_one_call() -> None:
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, n = 4096, 48
-    a, b = NixlDataPlane("batch-a"), NixlDataPlane("batch-b")
+    a, b = NixlDataPlane("batch-a", caller_posts="never"), NixlDataPlane("batch-b")
     src = np.random.default_rng(2).integers(0, 256, n * block, dtype=np.uint8)
     dst = np.zeros(n * block, dtype=np.uint8)
     single: list[Inbound] = []
@@ -176,7 +177,7 @@ def test_scattered_writes_fold_into_one_block_index_transfer() -> None:
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, per, n = 4096, 16, 24
-    a, b = NixlDataPlane("sfold-a"), NixlDataPlane("sfold-b")
+    a, b = NixlDataPlane("sfold-a", caller_posts="never"), NixlDataPlane("sfold-b")
     src = np.random.default_rng(2).integers(0, 256, n * per * block, dtype=np.uint8)
     dst = np.zeros_like(src)
     notes: list[bytes] = []
@@ -196,6 +197,100 @@ def test_scattered_writes_fold_into_one_block_index_transfer() -> None:
         assert (dst.reshape(-1, block)[::-1] == src.reshape(-1, block)).all()
         assert a.stats["writes"] == n and a.stats["transfers"] < n  # folded
         assert a.stats["descriptors"] == n * per
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+@pytest.mark.parametrize("flush_jobs", [4, 10_000], ids=["caller-flushes", "poller-flushes"])
+def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flush_jobs: int) -> None:
+    """``caller_posts`` (device memory by default): the first write is posted before write()
+    returns; writes made while a transfer is in flight are held back and go folded, posted by the
+    caller once ``flush_jobs`` are held or else by the poller's next round. Every write still
+    lands, notifies after its data and completes exactly once."""
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    block, n = 4096, 40
+    a = NixlDataPlane("held-a", caller_posts="always", flush_jobs=flush_jobs, flush_bytes=1 << 30)
+    b = NixlDataPlane("held-b")
+    src = np.random.default_rng(3).integers(0, 256, n * block, dtype=np.uint8)
+    dst = np.zeros(n * block, dtype=np.uint8)
+    in_place: list[int] = []
+
+    def on_b(item: Inbound) -> None:
+        i = int(item.data)
+        if (dst[i * block : (i + 1) * block] == src[i * block : (i + 1) * block]).all():
+            in_place.append(i)
+
+    completions, done, on_a = _counting(n)
+    try:
+        _connect(a, b, src, dst, block, on_a, on_b)
+        # pause progress (the poller's and the caller's): the first transfer is not seen complete
+        # (so the next writes are held) and the poller posts nothing held, until the originals
+        # are back; a round that had begun before is over after the sleep
+        pause = {"_progress": lambda *args: None, "_completions": lambda *args: None, "_flush_held": lambda: None}
+        vars(a).update(pause)
+        time.sleep(0.05)
+        a.write("held-b", "kv", [Segment(0, 0, block)], b"0", ("h", 0))
+        assert a.stats["transfers"] == 1  # nothing was in flight: posted by the caller, at once
+        for i in range(1, n):
+            a.write("held-b", "kv", [Segment(i * block, i * block, block)], str(i).encode(), ("h", i))
+        held = len(a._held)
+        for name in pause:
+            delattr(a, name)  # the class's methods again
+        assert held == (n - 1) % flush_jobs if flush_jobs < n else held == n - 1
+        assert done.wait(20)
+        deadline = time.monotonic() + 10
+        while len(in_place) < n and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert sorted(in_place) == list(range(n)), "a notification arrived before its data, or never"
+        assert sorted(c.tag for c in completions) == [("h", i) for i in range(n)]
+        assert all(c.ok for c in completions) and (dst == src).all()
+        assert a.stats["writes"] == n and 2 <= a.stats["transfers"] <= 1 + -(-(n - 1) // min(flush_jobs, n))
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_a_posting_caller_does_not_wait_for_the_agent_but_holds_its_writes_up_to_a_limit() -> None:
+    """While another thread is inside a NIXL call (the agent's lock taken), a caller that would
+    post holds its writes instead of waiting; at HOLD_LIMIT x flush_jobs held it waits. The held
+    writes are posted once the agent is free, and each completes once."""
+    from kvfsm.transport.nixl import HOLD_LIMIT, NixlDataPlane
+
+    block, flush = 4096, 2
+    n = HOLD_LIMIT * flush
+    a = NixlDataPlane("busy-a", caller_posts="always", flush_jobs=flush)
+    b = NixlDataPlane("busy-b")
+    src = np.random.default_rng(4).integers(0, 256, n * block, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    completions, done, on_a = _counting(n)
+
+    def write(i: int) -> None:
+        a.write("busy-b", "kv", [Segment(i * block, i * block, block)], str(i).encode(), ("b", i))
+
+    try:
+        _connect(a, b, src, dst, block, on_a, lambda item: None)
+        # (the writes run on threads: a caller that wrongly waits fails the test, not hangs it)
+        first = threading.Thread(target=lambda: [write(i) for i in range(n - 1)])
+        last = threading.Thread(target=write, args=(n - 1,))
+        with a._lock:  # as if the poller were inside a NIXL call
+            first.start()
+            first.join(5)
+            held = len(a._held)
+            last.start()
+            last.join(0.2)
+            waited = last.is_alive()
+        assert not first.is_alive() and held == n - 1, "below the limit a caller holds its writes"
+        assert waited, "at the limit the caller should wait for the agent"
+        first.join(5)
+        last.join(5)
+        assert not last.is_alive()
+        assert done.wait(20)
+        assert sorted(c.tag for c in completions) == [("b", i) for i in range(n)]
+        assert all(c.ok for c in completions) and (dst == src).all()
     finally:
         a.close()
         b.close()
