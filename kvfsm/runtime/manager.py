@@ -459,7 +459,13 @@ class Manager:
             elif isinstance(a, CancelTimer):
                 self._timers.cancel(rid, a.timer)
             elif isinstance(a, SendMessage):
-                self._send(a.peer_rank, a.message)
+                try:
+                    self._send(a.peer_rank, a.message)
+                except Exception as exc:  # noqa: BLE001 - a send is best effort: lost, not fatal
+                    # The room has moved on and the rest of its actions (timers) must still be
+                    # carried out; a lost message is what the protocol's timers already cover.
+                    self._count_drop("send_error", f"{a.message.TYPE} to rank {a.peer_rank}: {exc!r}")
+                    log.error("%s%d room %d: sending %s failed: %r", self.side, self.rank, rid, a.message.TYPE, exc)
             elif isinstance(a, RecordIgnored):
                 self.telemetry.count("ignored")
                 log.debug("%s%d room %d: ignored %s", self.side, self.rank, rid, a.reason)

@@ -224,21 +224,24 @@ class PrefillManager(Manager):
     # ------------------------------------------------------------------ writes
 
     def _post(self, rt: RoomRuntime, action: PostWrite | PostAuxWrite) -> None:
-        if isinstance(action, PostWrite):
-            chunk_id = action.chunk_id
-            segments = coalesce(action.src_pages, action.dst_pages, self.page_bytes, one_run=action.contiguous)
-            region = "kv"
-        else:
-            chunk_id = AUX_WRITE
-            segments = coalesce((action.src_slot,), (action.dst_slot,), self.aux_slot_bytes)
-            region = "aux"
-        note = self.codec.encode(action.notification)
+        chunk_id = action.chunk_id if isinstance(action, PostWrite) else AUX_WRITE
+        tag = (action.room, action.dest_rank, chunk_id)
+        try:
+            if isinstance(action, PostWrite):
+                segments = coalesce(action.src_pages, action.dst_pages, self.page_bytes, one_run=action.contiguous)
+                region = "kv"
+            else:
+                segments = coalesce((action.src_slot,), (action.dst_slot,), self.aux_slot_bytes)
+                region = "aux"
+            note = self.codec.encode(action.notification)
+        except Exception as exc:  # noqa: BLE001 - the write fails, not the step (the room has moved on)
+            self._write_failed(exc, None, "", [], b"", tag)
+            return
         rt.bytes += sum(map(_LENGTH, segments))
         rt.descriptors += len(segments)
         self.telemetry.count("writes_posted")
         self.telemetry.count("descriptors", len(segments))
         peer = self._peer_names.get(action.dest_rank)  # the route as it is now, when posted
-        tag = (action.room, action.dest_rank, chunk_id)
         self.pool.submit(action.room, self._write, (peer, region, segments, note, tag), self._write_failed)
 
     def _write(self, peer: str | None, region: str, segments: list[Segment], note: bytes, tag: WriteTag) -> None:
@@ -251,7 +254,8 @@ class PrefillManager(Manager):
     def _write_failed(
         self, exc: BaseException, peer: str | None, region: str, segments: list[Segment], note: bytes, tag: WriteTag
     ) -> None:
-        """``_write`` raised: the write failed (WriteFailed for its room, if it still exists)."""
+        """``_write`` (or preparing it) raised: the write failed (WriteFailed for its room, if it
+        still exists; while a room steps, the event waits for the step's end)."""
         rid, dest_rank, chunk_id = tag
         self.telemetry.count("write_errors")
         log.warning("prefill%d room %d: write to decode rank %d failed: %r", self.rank, rid, dest_rank, exc)

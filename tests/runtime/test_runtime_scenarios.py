@@ -316,6 +316,67 @@ def test_a_worker_exception_fails_only_that_room_and_the_worker_survives(monkeyp
     c.close()
 
 
+def test_a_write_that_cannot_be_prepared_fails_its_room_and_the_step_completes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception while a step's write is prepared (after the room moved on) fails that write:
+    the room fails through its write_failed row and tells decode, the engine's send() does not
+    raise, and the next room is unaffected."""
+    c = LoopbackCluster()
+    p = c.prefill[0]
+    real_encode = p.codec.encode
+    calls = {"n": 0}
+
+    def flaky(msg: object) -> bytes:
+        if isinstance(msg, ChunkWritten):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise ValueError("simulated bug while encoding a notification")
+        return real_encode(msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(p.codec, "encode", flaky)
+    results = []
+    for rid in (1, 2):
+        recv = c.decode[0].create_receiver(rid)
+        recv.init([rid], 0)
+        sender = p.create_sender(rid)
+        c.settle()
+        sender.send([rid], is_last=True, aux_slot=0)  # must not raise
+        c.settle()
+        results.append((sender.poll(), recv.poll()))
+    assert results == [(KVPoll.Failed, KVPoll.Failed), (KVPoll.Success, KVPoll.Success)]
+    assert "simulated bug" in p.failure_exception(1).reason
+    assert p.stats()["counters"]["write_errors"] == 1
+    assert c.kv_equal(0, [2], 0, [2])
+    c.close()
+
+
+def test_a_send_that_raises_loses_the_message_and_timers_still_conclude_the_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A control plane that raises in send() (a best-effort port) loses that message; the step's
+    other actions still run, so the room's timers conclude it instead of leaving it hanging."""
+    c = LoopbackCluster(timeouts={"transfer": 5.0})
+    d = c.decode[0]
+    real_send = d.endpoint.send
+
+    def broken(peer: str, data: bytes) -> None:
+        if b"room_pages" in data:
+            raise RuntimeError("simulated control-plane bug")
+        real_send(peer, data)
+
+    monkeypatch.setattr(d.endpoint, "send", broken)
+    recv = d.create_receiver(1)
+    recv.init([0], 0)  # must not raise: room_pages is lost
+    sender = c.prefill[0].create_sender(1)
+    c.settle()
+    assert recv.poll() == KVPoll.WaitingForInput
+    assert d.stats()["counters"]["dropped.send_error"] == 1
+    c.advance(5.1)
+    assert recv.poll() == KVPoll.Failed and "timeout" in recv.failure_exception().reason
+    c.advance(600)
+    assert sender.poll() == KVPoll.Failed
+    c.close()
+
+
 def test_registration_refused_on_page_size_mismatch_fails_decode_rooms_fast() -> None:
     from kvfsm.runtime import DecodeManager
     from kvfsm.transport.loopback import Fabric
