@@ -795,17 +795,17 @@ class NixlDataPlane:
         now = time.monotonic()
         still = 0
         for handle, x in pending:
-            with guard:
+            with guard:  # (the counters too: the poller and a posting caller both complete)
                 state, reason = self._check(handle, x, now)
+                if state not in ("PROC", "GONE"):
+                    self.stats["completed" if state == "DONE" else "failed"] += len(x.tags)
             if state == "PROC":
                 still += 1
                 if not full and still >= SCAN_AHEAD:
                     break
             elif state == "DONE":
-                self.stats["completed"] += len(x.tags)
                 items += [Inbound("completion", x.peer, tag=t) for t in x.tags]
             elif state != "GONE":
-                self.stats["failed"] += len(x.tags)
                 why = reason or f"state {state}"
                 items += [Inbound("completion", x.peer, tag=t, ok=False, reason=why) for t in x.tags]
 
