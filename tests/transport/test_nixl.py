@@ -294,3 +294,34 @@ def test_a_posting_caller_does_not_wait_for_the_agent_but_holds_its_writes_up_to
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_auto_lets_the_caller_post_device_and_tiny_host_writes_and_the_thread_the_rest() -> None:
+    from kvfsm.transport.nixl import SMALL_HOST_BYTES, NixlDataPlane
+
+    dram, vram = ("DRAM", "DRAM"), ("VRAM", "VRAM")
+    planes = {mode: NixlDataPlane(f"route-{mode}", caller_posts=mode) for mode in ("auto", "always", "never")}
+    try:
+        cases = {
+            "device range": _job("WRITE", "d", vram, 1 << 20, 0),
+            "device to host": _job("WRITE", "d", ("VRAM", "DRAM"), 1 << 20, 1),
+            "tiny host": _job("WRITE", "d", dram, SMALL_HOST_BYTES, 2),
+            "host copy": _job("WRITE", "d", dram, SMALL_HOST_BYTES + 1, 3),
+            "device block indices": _job("WRITE", "d", vram, 4096, 4, region="kv"),
+        }
+        routed = {name: planes["auto"]._caller_posts(job) for name, job in cases.items()}
+        assert routed == {
+            "device range": True,
+            "device to host": True,
+            "tiny host": True,
+            "host copy": False,  # UCX copies inside the post: the posting thread is the copy engine
+            "device block indices": False,  # per-descriptor CPU in the post: overlapped on the thread
+        }
+        assert all(planes["always"]._caller_posts(j) for j in cases.values())
+        assert not any(planes["never"]._caller_posts(j) for j in cases.values())
+        with pytest.raises(ValueError, match="caller_posts"):
+            NixlDataPlane("route-bad", caller_posts="sometimes")
+    finally:
+        for p in planes.values():
+            p.close()
