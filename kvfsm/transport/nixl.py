@@ -560,16 +560,13 @@ class NixlDataPlane:
         return job.mems != HOST_TO_HOST or job.total <= SMALL_HOST_BYTES
 
     def _post_now(self, job: _Job) -> None:
-        """The caller posts: for device memory (the post only queues the copy on the GPU, so it
-        returns in microseconds) and small host writes. Handing such a write to the posting
-        thread costs more than posting it: each NIXL call drops the GIL, and a thread that
-        dropped it waits for a busy caller to give it back (up to the interpreter's switch
-        interval). So the caller posts, Nagle-style: at once when no transfer is in flight,
-        otherwise it holds the write back until ``flush_jobs`` writes or ``flush_bytes`` are
-        held, and the held writes go as one folded transfer. Nor does it wait while the poller
-        is inside a NIXL call: the writes stay held and the poller posts them when its round
-        ends (or a later write does), unless ``HOLD_LIMIT`` times ``flush_jobs`` are held or the
-        write is ``BIG_WRITE_BYTES`` or more (holding it would only delay a long copy)."""
+        """The caller posts (see the module docstring for when and why), Nagle-style: at once
+        when no transfer is in flight, otherwise the write is held until ``flush_jobs`` writes or
+        ``flush_bytes`` are held, and the held writes go as one folded transfer. Nor does the
+        caller wait while the poller is inside a NIXL call: the writes stay held and the poller
+        posts them when its round ends (or a later write does), unless ``HOLD_LIMIT`` times
+        ``flush_jobs`` are held or the write is ``BIG_WRITE_BYTES`` or more (holding it would
+        only delay a long copy)."""
         with self._held_lock:
             self._held.append(job)
             self._held_bytes += job.total
