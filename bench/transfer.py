@@ -21,8 +21,9 @@ with nothing else running, then kvfsm for every case:
 
 Layouts: ``contig`` (a chunk is adjacent 64 KiB pages on both sides: one descriptor per chunk)
 and ``scattered`` (4 KiB pages, destination pages in reverse order: one descriptor per page).
-Figures are GB/s (1e9 bytes moved once per second), the median of ``--reps`` (5) repetitions;
-ratio = kvfsm / raw. ``*_post_seconds`` is the time spent inside NIXL's post over all
+Figures are GB/s (1e9 bytes moved once per second), the median of ``--reps`` (5) repetitions
+(each repetition's seconds are in ``raw_reps_seconds`` / ``kvfsm_reps_seconds``); ratio = kvfsm /
+raw. ``*_post_seconds`` is the time spent inside NIXL's post over all
 repetitions (on CPU memory UCX copies the bytes there); ``kvfsm_send_seconds`` the median time
 the engine spent handing chunks to ``send()``.
 
@@ -171,6 +172,7 @@ def raw_initiator(conn: Any, src: Any, params: dict[str, str], all_cases: list[d
             conn.send(rooms * chunks)
             if conn.recv() != rooms * chunks:
                 raise RuntimeError("raw NIXL: the target counted a different number of notifications")
+        case["raw_reps_seconds"] = times[1:]  # every measured repetition (the spread within a run)
         case["raw_seconds"] = statistics.median(times[1:])
         case["raw_post_seconds"] = post  # inside NIXL's post, over every repetition
     conn.send("done")
@@ -290,6 +292,7 @@ def kvfsm_initiator(
                 s.clear()
             if not conn.recv():
                 raise RuntimeError(f"decode found mismatched bytes in case {case}")
+        case["kvfsm_reps_seconds"] = times[1:]
         case["kvfsm_seconds"] = statistics.median(times[1:])
         case["kvfsm_send_seconds"] = statistics.median(handing[1:])  # the engine's send() calls alone
         case["kvfsm_post_seconds"] = (ep.data.stats["post_ns"] - posted) / 1e9

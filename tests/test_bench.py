@@ -55,6 +55,8 @@ def test_transfer_bench_quick_run_writes_json(tmp_path: Path) -> None:
     assert {(1 << 20, "contig"), (1 << 20, "scattered")} <= layouts
     for c in res["cases"]:
         assert c["raw_gbps"] > 0 and c["kvfsm_gbps"] > 0 and c["ratio"] == c["kvfsm_gbps"] / c["raw_gbps"]
+        for side in ("raw", "kvfsm"):  # --quick: one measured repetition, after the warm-up
+            assert c[f"{side}_reps_seconds"] == [c[f"{side}_seconds"]]
         # kvfsm posted what the layout asks for: one descriptor per contiguous chunk (plus the aux
         # write of each room's last chunk), one per page when scattered
         per_chunk = c["descriptors_per_transfer"]
