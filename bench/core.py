@@ -4,6 +4,8 @@
             baseline: the same events fired through the ``transitions`` machines themselves.
   rooms     rooms/s through runtime + loopback with tiny chunks (kvfsm demo's driver);
             baseline: the bare protocol steps those rooms needed (share of time in the core).
+  hot_path  µs per send() of a 16-page chunk and per completion of its write, through the runtime
+            with a null data plane; baseline: the bare protocol steps of the same events.
   churn     create+abort+clear cost per room with 100, 1k and 10k rooms live on one manager;
             baseline: ``transitions``' shared-machine ``add_model`` at the same populations.
   bandwidth 16 MiB chunks: send() -> Success through runtime + loopback, streamed (8 chunks in
@@ -135,6 +137,86 @@ def _manager(n_pages: int, page_bytes: int, workers: int = 0) -> tuple[Fabric, P
     return fab, p, d
 
 
+def bench_hot_path(rooms: int = 16, chunks: int = 16, per_chunk: int = 16, reps: int = 10) -> dict[str, Any]:
+    """The runtime's cost per chunk: ``send()`` of a ``per_chunk``-page chunk and the completion
+    of its write, through PrefillManager with a null data plane (writes are recorded, nothing
+    moves), ``rooms`` rooms in the engine's order (chunk by chunk across rooms); best of
+    ``reps``. Baseline: the bare protocol steps of the same events (the compiled machine only),
+    so the difference is what the runtime adds (locks, timers, actions, the write's preparation).
+    """
+    from kvfsm.transport.base import Inbound
+
+    proto = Protocol()
+    n = rooms * chunks * per_chunk
+    fab, p, d = _manager(n, 64)
+    posted: list[tuple[str, object]] = []
+    p.endpoint.write = lambda peer, region, segs, note, tag: posted.append((peer, tag)) or 64  # type: ignore[method-assign]
+
+    def pages(r: int, c: int) -> list[int]:
+        base = (r * chunks + c) * per_chunk
+        return list(range(base, base + per_chunk))
+
+    best_send = best_done = float("inf")
+    for rep in range(reps):
+        ids = [rep * rooms + r for r in range(rooms)]
+        senders = [p.create_sender(rid) for rid in ids]
+        for r, rid in enumerate(ids):
+            d.create_receiver(rid).init([q for c in range(chunks) for q in pages(r, c)], 0)
+        fab.pump()
+        work = [[pages(r, c) for r in range(rooms)] for c in range(chunks)]
+        posted.clear()
+        gc.disable()
+        t = time.perf_counter()
+        for c in range(chunks):
+            last = c == chunks - 1
+            for r, s in enumerate(senders):
+                s.send(work[c][r], is_last=last, aux_slot=0 if last else None)
+        t_send = time.perf_counter() - t
+        items = [Inbound("completion", peer, tag=tag) for peer, tag in posted]
+        t = time.perf_counter()
+        p._on_inbound_batch(items)
+        t_done = time.perf_counter() - t
+        gc.enable()
+        assert all(s.poll() == 4 for s in senders)
+        best_send = min(best_send, t_send / (rooms * chunks))
+        best_done = min(best_done, t_done / len(items))
+        for s in senders:
+            s.clear()
+    p.close()
+    d.close()
+
+    # baseline: the same events on bare rooms (announced), stepped by the compiled machine
+    core_send = core_done = float("inf")
+    for _ in range(reps):
+        bare = [PrefillRoom(r, 0, n, 1024) for r in range(rooms)]
+        for r, room in enumerate(bare):
+            proto.prefill.create(room, 0.0)
+            mine = tuple(q for c in range(chunks) for q in pages(r, c))
+            proto.prefill.step(room, PagesAnnounced(1, mine, 0, 1, n, 1024), 0.0)
+        events = [[ChunkReady(tuple(work[c][r]), c == chunks - 1, 0 if c == chunks - 1 else None)
+                   for r in range(rooms)] for c in range(chunks)]  # fmt: skip
+        gc.disable()
+        t = time.perf_counter()
+        for c in range(chunks):
+            for room, e in zip(bare, events[c], strict=True):
+                proto.prefill.step(room, e, 1.0)
+        core_send = min(core_send, (time.perf_counter() - t) / (rooms * chunks))
+        done = [(room, WriteCompleted(1, c)) for room in bare for c in [*range(chunks), -1]]
+        t = time.perf_counter()
+        for room, e in done:
+            proto.prefill.step(room, e, 1.0)
+        core_done = min(core_done, (time.perf_counter() - t) / len(done))
+        gc.enable()
+        assert all(room.state == "Success" for room in bare)
+    return {
+        "pages_per_chunk": per_chunk,
+        "send_us": best_send * 1e6,
+        "completion_us": best_done * 1e6,
+        "core_send_step_us": core_send * 1e6,
+        "core_completion_step_us": core_done * 1e6,
+    }
+
+
 def bench_churn(populations: list[int], batch: int = 2000) -> dict[str, Any]:
     from transitions import Machine
 
@@ -258,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count()},
         "step": bench_step(200 if q else 4000),
         "rooms": bench_rooms(200 if q else 3000),
+        "hot_path": bench_hot_path(reps=3 if q else 10),
         "churn": bench_churn([100, 1000] if q else [100, 1000, 10_000], batch=200 if q else 2000),
         "bandwidth": bench_bandwidth(2 if q else 16, chunks=4 if q else 8, reps=3 if q else 7),
     }

@@ -25,6 +25,8 @@ def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
     assert res["step"]["us_per_step"] > 0 and res["step"]["us_per_step_transitions"] > res["step"]["us_per_step"]
     assert set(res["churn"]) >= {"100", "1000", "ratio_high_to_low"}
     assert {"stream", "single", "scattered"} <= set(res["bandwidth"])
+    hot = res["hot_path"]  # the runtime around a step costs more than the bare step
+    assert hot["send_us"] > hot["core_send_step_us"] > 0 and hot["completion_us"] > hot["core_completion_step_us"] > 0
     assert set(res["goals"]) == {"step_us_le_10", "churn_10k_within_1.5x_of_100", "bandwidth_16MiB_ge_0.8x_memcpy"}
     for rooms in res["rooms"].values():
         assert rooms["rooms_per_second"] > 0
