@@ -13,8 +13,8 @@ the class is defined): same signature, same defaults, same result, ~40% cheaper.
 a frozen dataclass (assignment after construction still raises FrozenInstanceError; eq, hash and
 repr are untouched), so messages and events remain hashable and immutable for the model checker.
 
-Only plain fields are supported: a ``default_factory``, an ``init=False`` field or a
-``__post_init__`` would need the generated code's extra steps, so they raise TypeError here
+Only plain fields are supported: a ``default_factory``, an ``init=False`` or keyword-only field
+or a ``__post_init__`` would need the generated code's extra steps, so they raise TypeError here
 (when the class is defined) rather than being silently skipped.
 """
 
@@ -38,7 +38,7 @@ def fast_init(cls: type[T]) -> type[T]:
     names: list[str] = []
     defaults: list[Any] = []
     for f in fields(cls):
-        if not f.init or f.default_factory is not MISSING:
+        if not f.init or f.default_factory is not MISSING or f.kw_only is True:
             raise TypeError(f"{cls.__name__}.{f.name}: fast_init supports plain fields only")
         names.append(f.name)
         if f.default is not MISSING:

@@ -61,6 +61,11 @@ def test_fast_init_refuses_what_it_cannot_build() -> None:
         def __post_init__(self) -> None:
             pass
 
-    for cls in (Mutable, Factory, PostInit):
+    @dataclass(frozen=True, slots=True)
+    class KeywordOnly:
+        x: int
+        y: int = field(default=0, kw_only=True)
+
+    for cls in (Mutable, Factory, PostInit, KeywordOnly):
         with pytest.raises(TypeError):
             fast_init(cls)
