@@ -235,7 +235,7 @@ class PrefillManager(Manager):
                 region = "aux"
             note = self.codec.encode(action.notification)
         except Exception as exc:  # noqa: BLE001 - the write fails, not the step (the room has moved on)
-            self._write_failed(exc, None, "", [], b"", tag)
+            self._fail_write(tag, exc)
             return
         rt.bytes += sum(map(_LENGTH, segments))
         rt.descriptors += len(segments)
@@ -254,8 +254,12 @@ class PrefillManager(Manager):
     def _write_failed(
         self, exc: BaseException, peer: str | None, region: str, segments: list[Segment], note: bytes, tag: WriteTag
     ) -> None:
-        """``_write`` (or preparing it) raised: the write failed (WriteFailed for its room, if it
-        still exists; while a room steps, the event waits for the step's end)."""
+        """``_write`` raised (the pool's on_error, called with the job's arguments)."""
+        self._fail_write(tag, exc)
+
+    def _fail_write(self, tag: WriteTag, exc: BaseException) -> None:
+        """The write ``tag`` failed: WriteFailed for its room, if it still exists (while a room
+        steps, the event waits for the step's end)."""
         rid, dest_rank, chunk_id = tag
         self.telemetry.count("write_errors")
         log.warning("prefill%d room %d: write to decode rank %d failed: %r", self.rank, rid, dest_rank, exc)

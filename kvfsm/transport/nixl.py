@@ -586,8 +586,7 @@ class NixlDataPlane:
             # otherwise hand completions over in bursts, late (the runtime queues what arrives
             # while it steps a room and applies it after the step).
             self._completions(list(self._inflight.items()), done, False, contextlib.nullcontext())
-            done += self._ready
-            self._ready.clear()
+            self._take_ready(done)
         finally:
             self._lock.release()
             self._wake.set()
@@ -774,9 +773,7 @@ class NixlDataPlane:
         and the notifications. The lock is taken per agent call, not for the round, so that a
         post can go between two status checks."""
         with self._lock:
-            if self._ready:
-                items.extend(self._ready)
-                self._ready.clear()
+            self._take_ready(items)
             pending = list(self._inflight.items())
         self._completions(pending, items, full, self._lock)
         with self._lock:
@@ -815,6 +812,12 @@ class NixlDataPlane:
                 items += [Inbound("completion", x.peer, tag=t, ok=False, reason=why) for t in x.tags]
 
     # ------------------------------------------------------------------ helpers (lock held)
+
+    def _take_ready(self, items: list[Inbound]) -> None:
+        """Move the completions owed without a transfer (empty or refused writes) to ``items``."""
+        if self._ready:
+            items += self._ready
+            self._ready.clear()
 
     def _check(self, handle: Any, x: _Xfer, now: float) -> tuple[str, str]:
         """(state, reason) of one in-flight transfer: "GONE" if another round took it already;
