@@ -72,6 +72,34 @@ def action(name: str) -> Callable[[ActionFn], ActionFn]:
 
 
 _SUMMARY: tuple[Any, tuple[int, int, bool, bool]] = ((), (0, -1, True, True))  # the last list summarised
+# The ints 0, 1, 2, ... as one tuple, grown on demand (doubling) up to _INTS_MAX: a slice of it is
+# an ascending run built without allocating an int per page (a comparison against it costs half
+# of one against tuple(range(...)), and run_of hands slices of it out as page tuples).
+_INTS: tuple[int, ...] = tuple(range(1 << 12))
+_INTS_MAX = 1 << 20  # 1M pages (~36 MB of ints at most); runs beyond it are built from range()
+
+
+def _ints(lo: int, n: int) -> tuple[int, ...]:
+    """The tuple (lo, lo + 1, ..., lo + n - 1) (``lo`` >= 0), a slice of _INTS where it fits."""
+    global _INTS
+    hi = lo + n
+    if hi > len(_INTS):
+        if hi > _INTS_MAX:
+            return tuple(range(lo, hi))
+        size = len(_INTS)
+        while size < hi:
+            size *= 2
+        _INTS = tuple(range(min(size, _INTS_MAX)))  # (another thread may still slice the old one)
+    return _INTS[lo:hi]
+
+
+def run_of(lo: int, n: int) -> tuple[int, ...]:
+    """The page tuple lo, lo + 1, ..., lo + n - 1 (``lo`` >= 0), its summary already known to
+    page_summary (for a ``range`` or a checked array the engine handed over: no O(pages) check)."""
+    global _SUMMARY
+    pages = _ints(lo, n)
+    _SUMMARY = (pages, (lo, lo + n - 1, True, True) if n else (0, -1, True, True))
+    return pages
 
 
 def page_summary(pages: tuple[int, ...]) -> tuple[int, int, bool, bool]:
@@ -85,7 +113,9 @@ def page_summary(pages: tuple[int, ...]) -> tuple[int, int, bool, bool]:
     n = len(pages)
     if not n:
         summary = (0, -1, True, True)
-    elif pages[-1] - pages[0] == n - 1 and tuple(pages) == tuple(range(pages[0], pages[0] + n)):
+    elif pages[-1] - pages[0] == n - 1 and tuple(pages) == (
+        _ints(pages[0], n) if pages[0] >= 0 else tuple(range(pages[0], pages[0] + n))
+    ):
         summary = (pages[0], pages[-1], True, True)
     else:
         summary = (min(pages), max(pages), len(set(pages)) == n, False)

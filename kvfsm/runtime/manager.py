@@ -43,6 +43,7 @@ from kvfsm.protocol import (
     TimerFired,
     UnsupportedVersion,
 )
+from kvfsm.protocol.functions import run_of
 from kvfsm.protocol.machine import RoomMachine
 from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
 from kvfsm.protocol.wire import Codec, Message
@@ -62,6 +63,8 @@ class RuntimeConfig:
 
     timeouts: dict[str, float] = field(default_factory=dict)
     workers: int = 4  # 0: run transfer jobs inline (deterministic)
+    batch_bytes: int = 256 << 20  # send_many() hands its writes over whenever this many bytes are pending
+    batch_segments: int = 64  # ... or this many segments (scattered pages: one descriptor per run)
     register_retry_s: float = 1.0  # decode re-sends register until acknowledged
     tombstone_ttl_s: float = 600.0  # how long a cleared room's id is remembered
     early_ttl_s: float = 300.0  # prefill: how long messages for a not-yet-created room are kept
@@ -118,6 +121,11 @@ def as_pages(pages: Any) -> tuple[int, ...]:
     room changes: a numpy scalar left in a page list would otherwise fail only when the message
     is encoded, after the room had already moved on."""
     if type(pages) is not list and type(pages) is not tuple:  # the usual inputs need no probing
+        if type(pages) is range and pages.step == 1 and pages.start >= 0:
+            return run_of(pages.start, len(pages))  # one ascending run by construction: no check
+        run = _array_run(pages)
+        if run is not None:
+            return run
         tolist = getattr(pages, "tolist", None)
         if tolist is not None and not isinstance(pages, list | tuple | range):
             pages = tolist()
@@ -130,6 +138,21 @@ def as_pages(pages: Any) -> tuple[int, ...]:
         except TypeError as exc:
             raise LocalProtocolError(f"page indices must be integers: {exc}") from None
     return t
+
+
+def _array_run(pages: Any) -> tuple[int, ...] | None:
+    """A 1-D numpy integer array that is one ascending run of pages >= 0, as its page tuple
+    (checked vectorised, no int per page built), else None (the general path handles it)."""
+    dtype = getattr(pages, "dtype", None)
+    if getattr(dtype, "kind", None) not in ("i", "u") or getattr(pages, "ndim", None) != 1:
+        return None  # not numpy (torch dtypes have no kind), or not integers
+    n = len(pages)
+    if not n:
+        return run_of(0, 0)
+    lo = int(pages[0])
+    if lo < 0 or int(pages[-1]) - lo != n - 1 or (n > 1 and not bool((pages[1:] - pages[:-1] == 1).all())):
+        return None
+    return run_of(lo, n)
 
 
 def as_index(x: Any, what: str) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -22,7 +22,7 @@ from kvfsm.protocol.events import (
 from kvfsm.protocol.rooms import PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, as_index, as_pages, coalesce, log
-from kvfsm.transport.base import Inbound, Segment
+from kvfsm.transport.base import Inbound, Segment, Write, write_many
 
 _LENGTH = attrgetter("length")  # of a Segment (map in C: one write has one segment, mostly)
 WriteTag = tuple[int, int, int]  # (room, dest_rank, chunk_id | AUX_WRITE): the transport's completion tag
@@ -60,6 +60,8 @@ class PrefillManager(Manager):
         # Messages for rooms the engine has not created yet (decode was faster): replayed on create.
         self._early: dict[int, list[tuple[str, Event]]] = {}
         self._early_order: deque[tuple[float, int]] = deque()
+        self._batch: list[Write] | None = None  # writes of a send_many(), handed over together
+        self._batch_bytes = self._batch_segments = 0  # ... and their bytes and segments
 
     def create_sender(self, room: int) -> KVSender:
         """Create room ``room`` on this rank. Messages that arrived for it earlier are applied now."""
@@ -75,6 +77,44 @@ class PrefillManager(Manager):
             for _peer, event in self._early.pop(room, ()):
                 self._dispatch(room, event)
         return KVSender(self, room)
+
+    def send_many(self, chunks: Iterable[Sequence[Any]]) -> None:
+        """Hand over several rooms' next chunks at once: an engine's batch (every room of a
+        forward step). Each item is ``(room, pages)``, ``(room, pages, is_last)`` or ``(room,
+        pages, is_last, aux_slot)``, ``room`` a room id or its KVSender. The items are applied in
+        order exactly as a loop of ``send()`` would apply them (a misuse raises
+        LocalProtocolError after the items before it were applied; the items after it are not),
+        except that the writes they post are handed to the data plane together (``write_many``:
+        the NIXL data plane posts them at once, folded into as few transfers as its limits
+        allow, instead of one at a time): at the end, and whenever ``RuntimeConfig.batch_bytes``
+        or ``batch_segments`` are pending (large chunks, and scattered ones, which cost the most
+        to post, start moving while the rest of the batch is stepped)."""
+        with self._lock:
+            outer = self._batch
+            if outer is None:
+                self._batch, self._batch_bytes, self._batch_segments = [], 0, 0
+            try:
+                for item in chunks:
+                    rid, event = self._chunk_item(item)
+                    self._local(rid, event)
+            finally:
+                if outer is None:
+                    batch, self._batch = self._batch, None
+                    self._hand_batch(batch or [])
+
+    def _chunk_item(self, item: Sequence[Any]) -> tuple[int, ChunkReady]:
+        """One send_many() item as (room id, ChunkReady); LocalProtocolError if malformed."""
+        if not 2 <= len(item) <= 4:
+            raise LocalProtocolError(f"send_many: an item is (room, pages[, is_last[, aux_slot]]), not {item!r}")
+        room = item[0]
+        if isinstance(room, KVSender):
+            if room.manager is not self:
+                raise LocalProtocolError(f"send_many: room {room.room}'s sender belongs to another manager")
+            room = room.room
+        slot = item[3] if len(item) > 3 else None
+        is_last = bool(item[2]) if len(item) > 2 else False
+        event = ChunkReady(as_pages(item[1]), is_last, None if slot is None else as_index(slot, "aux_slot"))
+        return as_index(room, "room"), event
 
     # ------------------------------------------------------------------ inbound
 
@@ -237,12 +277,49 @@ class PrefillManager(Manager):
         except Exception as exc:  # noqa: BLE001 - the write fails, not the step (the room has moved on)
             self._fail_write(tag, exc)
             return
-        rt.bytes += sum(map(_LENGTH, segments))
+        moved = sum(map(_LENGTH, segments))
+        rt.bytes += moved
         rt.descriptors += len(segments)
         self.telemetry.count("writes_posted")
         self.telemetry.count("descriptors", len(segments))
         peer = self._peer_names.get(action.dest_rank)  # the route as it is now, when posted
+        if self._batch is not None:  # send_many: handed over with the batch's other writes
+            self._batch.append((peer, region, segments, note, tag))  # type: ignore[arg-type]
+            self._batch_bytes += moved
+            self._batch_segments += len(segments)
+            if self._batch_bytes >= self.config.batch_bytes or self._batch_segments >= self.config.batch_segments:
+                batch, self._batch, self._batch_bytes, self._batch_segments = self._batch, [], 0, 0
+                self._hand_batch(batch)
+            return
         self.pool.submit(action.room, self._write, (peer, region, segments, note, tag), self._write_failed)
+
+    def _hand_batch(self, batch: list[Write]) -> None:
+        """The writes of a send_many(): one transfer job per worker shard (a room's writes stay on
+        its worker, in order), inline with workers=0."""
+        shards: dict[int, list[Write]] = {}
+        for w in batch:
+            shards.setdefault(w[4][0] % self.pool.size if self.pool.size else 0, []).append(w)  # type: ignore[index]
+        for shard, writes in shards.items():
+            self.pool.submit(shard, self._write_batch, (writes,), self._batch_failed)
+
+    def _write_batch(self, writes: list[Write]) -> None:
+        """Transfer job of a send_many()'s writes: one ``write_many``; each refused write fails alone."""
+        routed = []
+        for w in writes:
+            if w[0] is None:
+                self._fail_write(w[4], LocalProtocolError(f"no route to decode rank {w[4][1]}"))
+            else:
+                routed.append(w)
+        for w, moved in zip(routed, write_many(self.endpoint, routed), strict=True):
+            if isinstance(moved, int):
+                self.telemetry.count("bytes_written", moved)
+            else:
+                self._fail_write(w[4], moved)  # type: ignore[arg-type]
+
+    def _batch_failed(self, exc: BaseException, writes: list[Write]) -> None:
+        """``_write_batch`` itself raised (the pool's on_error): every write of it fails."""
+        for w in writes:
+            self._fail_write(w[4], exc)  # type: ignore[arg-type]
 
     def _write(self, peer: str | None, region: str, segments: list[Segment], note: bytes, tag: WriteTag) -> None:
         """Transfer job of one posted write (a worker thread, or inline with workers=0)."""

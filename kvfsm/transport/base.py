@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from kvfsm.protocol.records import fast_init  # (pure: no I/O; the runtime's records use it too)
+
 Region = Literal["kv", "aux"]
 
 
@@ -33,6 +35,7 @@ class TransportError(Exception):
     """A data-plane operation failed (peer dead, region not registered, out of bounds)."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Segment:
     """One contiguous copy: ``length`` bytes from local offset ``src`` to remote offset ``dst``."""
@@ -42,6 +45,7 @@ class Segment:
     length: int
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Inbound:
     """Something that arrived for an endpoint.
@@ -66,6 +70,8 @@ Handler = Callable[[Inbound], None]
 # the round instead of once per item, so a thread that hands over chunks meanwhile is not woken
 # and preempted for each completion.
 BatchHandler = Callable[[list[Inbound]], None]
+# One write as ``write_many`` takes it: (peer, region, segments, notification, tag).
+Write = tuple[str, Region, Sequence[Segment], bytes, object]
 AddPeer = Callable[[str, bytes], None]
 RemovePeer = Callable[[str], None]
 
@@ -180,6 +186,27 @@ class DataPlane(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional: ``write_many(writes: Sequence[Write]) -> list[int | Exception]``, several writes
+    # handed over at once (an engine's batch of chunks): each one as ``write`` would do it, its
+    # bytes or the exception that refused it (nothing of it moved; the others go on) in the
+    # result, in order; a data plane that posts in transfers may fold them into fewer.
+    # ``write_many`` below is the fallback for data planes without it.
+
+
+def write_many(plane: Any, writes: Sequence[Write]) -> list[int | Exception]:
+    """``plane.write_many(writes)`` if the data plane (or endpoint) has it, else one ``write`` at a
+    time: each write's bytes, or the exception that refused it, in order."""
+    many = getattr(plane, "write_many", None)
+    if many is not None:
+        return many(writes)  # type: ignore[no-any-return]
+    out: list[int | Exception] = []
+    for w in writes:
+        try:
+            out.append(plane.write(*w))
+        except Exception as exc:  # noqa: BLE001 - a write that raises fails itself, not its batch
+            out.append(exc)
+    return out
+
 
 class Endpoint(Protocol):
     """Both ports for one (side, rank), as the runtime uses them."""
@@ -246,6 +273,9 @@ class SplitEndpoint:
 
     def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self.data.read(peer, region, segments, notification, tag)
+
+    def write_many(self, writes: Sequence[Write]) -> list[int | Exception]:
+        return write_many(self.data, writes)
 
     def close(self) -> None:
         self.control.close()

@@ -74,6 +74,7 @@ from kvfsm.transport.base import (
     Region,
     Segment,
     TransportError,
+    Write,
     as_region,
     check_segments,
 )
@@ -96,6 +97,7 @@ SCAN_AHEAD = 4  # in-flight transfers still in progress after which a round stop
 FULL_SCAN_S = 0.01  # every in-flight transfer is checked at least this often
 MAX_DEFER_S = 0.002  # the longest the poller stands back for posts before it takes its turn
 CALLER_POSTS = ("auto", "always", "never")
+PREPPED_MIN_RUNS = 16  # runs in a write from which block indices into the prepared lists may pay (use_prepped)
 SMALL_HOST_BYTES = 4096  # auto: host-to-host writes up to this size are posted by the caller too
 FLUSH_JOBS = 16  # writes the caller holds back, at most, while a transfer is in flight (see _post_now)
 FLUSH_BYTES = 8 << 20  # ... and bytes
@@ -111,7 +113,7 @@ def use_prepped(segments: int, blocks: int) -> bool:
     from a strided prepared list, 0.5 ms as one range), while for many short runs the prepared
     list saves building descriptor lists per transfer. So: prepared lists for many short runs only.
     """
-    return segments >= 16 and blocks <= 4 * segments
+    return segments >= PREPPED_MIN_RUNS and blocks <= 4 * segments
 
 
 def load_nixl() -> tuple[Any, Any, tuple[type[BaseException], ...]]:
@@ -457,10 +459,37 @@ class NixlDataPlane:
             self._removed.add(peer)
 
     def write(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
-        return self._post("WRITE", peer, region, segments, notification, tag)
+        return self._post(self._job("WRITE", peer, region, segments, notification, tag))
 
     def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
-        return self._post("READ", peer, region, segments, notification, tag)
+        return self._post(self._job("READ", peer, region, segments, notification, tag))
+
+    def write_many(self, writes: Sequence[Write]) -> list[int | Exception]:
+        """Several writes at once (``DataPlane.write_many``): each is validated as ``write``
+        validates it (a refused one gets its exception in the result, nothing of it moves, the
+        others go on); those the caller posts are posted now, folded, in one turn on the agent
+        (no Nagle hold: the batch is the unit), the rest queued for the posting thread in one go."""
+        out: list[int | Exception] = []
+        mine: list[_Job] = []
+        queued: list[_Job] = []
+        for peer, region, segments, note, tag in writes:
+            try:
+                job = self._job("WRITE", peer, region, segments, note, tag)
+            except Exception as exc:  # noqa: BLE001 - as write() would raise it, for this write alone
+                out.append(exc)
+                continue
+            out.append(job.total)
+            (mine if self._caller_posts(job) else queued).append(job)
+        if queued:
+            self._queue(queued)
+        if mine:
+            with self._held_lock:
+                self._held += mine
+                self._held_bytes += sum(j.total for j in mine)
+                self._lock.acquire()
+                jobs = self._take_held()
+            self._post_locked(jobs)
+        return out
 
     def close(self) -> None:
         with self._lock:
@@ -487,9 +516,8 @@ class NixlDataPlane:
 
     # ------------------------------------------------------------------ posting
 
-    def _post(self, op: str, peer: str, region: Region, segments: Sequence[Segment], note: bytes, tag: object) -> int:
-        """Validate a write or read and queue it for the posting thread (nothing moves before
-        every check passed); returns its bytes."""
+    def _job(self, op: str, peer: str, region: Region, segments: Sequence[Segment], note: bytes, tag: object) -> _Job:
+        """Validate a write or read (raises TransportError before anything moves) and describe it."""
         if region not in REGIONS:
             raise TransportError(f"unknown region {region!r}: 'kv' or 'aux'")
         if self._closed:
@@ -504,7 +532,10 @@ class NixlDataPlane:
             raise TransportError(f"{op.lower()} {self.name}->{peer}: no local {region} region registered")
         # src is always the side the bytes come from: local for WRITE, remote for READ.
         src_len, dst_len = (local.nbytes, remote.nbytes) if op == "WRITE" else (remote.nbytes, local.nbytes)
-        total = check_segments(segments, src_len, dst_len, f"{op.lower()} {self.name}->{peer} {region}")
+        try:
+            total = check_segments(segments, src_len, dst_len, "")
+        except TransportError as exc:  # (the message is built only for a refused write)
+            raise TransportError(f"{op.lower()} {self.name}->{peer} {region}{exc}") from None
         if op == "READ" and local.readonly:
             raise TransportError(f"{op.lower()} {self.name}->{peer}: our {region} region is read-only")
         segs = [s for s in segments if s.length]
@@ -517,16 +548,26 @@ class NixlDataPlane:
                 loff, roff = (s.src, s.dst) if op == "WRITE" else (s.dst, s.src)
                 job.lrows.append((local.addr + loff, s.length, local.device))
                 job.rrows.append((remote.addr + roff, s.length, remote.device))
+        return job
+
+    def _post(self, job: _Job) -> int:
+        """Post a validated write or read, or queue it for the posting thread; returns its bytes."""
         if self._caller_posts(job):
             self._post_now(job)
-            return total
+        else:
+            self._queue([job])
+        return job.total
+
+    def _queue(self, jobs: list[_Job]) -> None:
+        """Queue jobs for the posting thread."""
         with self._queued:
-            self._jobs.append(job)
-            self._queued_bytes += total
-            self._unkicked += total
+            self._jobs += jobs
+            for job in jobs:
+                self._queued_bytes += job.total
+                self._unkicked += job.total
             kick = (
                 self._poster_idle
-                or (self._unkicked >= KICK_BYTES and job.mems == HOST_TO_HOST)
+                or (self._unkicked >= KICK_BYTES and jobs[-1].mems == HOST_TO_HOST)
                 or len(self._jobs) >= MAX_BATCH
                 or self._queued_bytes >= MAX_BATCH_BYTES
             )
@@ -545,7 +586,6 @@ class NixlDataPlane:
             # asynchronous (measured there: 0.52x raw at 1 MiB without, 0.38x with one every
             # 8 writes, 0.26x every 2).
             time.sleep(0)
-        return total
 
     def _caller_posts(self, job: _Job) -> bool:
         """Does the caller post this write itself (``_post_now``) rather than the posting thread?"""
@@ -577,6 +617,11 @@ class NixlDataPlane:
             if not self._lock.acquire(blocking=wait):
                 return
             jobs = self._take_held()
+        self._post_locked(jobs)
+
+    def _post_locked(self, jobs: list[_Job]) -> None:
+        """The caller posts ``jobs`` (the agent's lock taken, released here), completes the
+        transfers it finds done and hands those completions over."""
         done: list[Inbound] = []
         try:
             for group in fold(jobs):
@@ -610,6 +655,8 @@ class NixlDataPlane:
         self, op: str, region: str, p: _Peer, segs: Sequence[Segment]
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """Block indices of both sides if every segment is block-aligned on both, else None."""
+        if len(segs) < PREPPED_MIN_RUNS:  # (use_prepped's first test, before summing lengths)
+            return None
         lblk = self._blocks.get(region, 0)
         rblk = p.regions[region].block
         if not lblk or lblk != rblk or region not in p.prepped:
@@ -806,7 +853,8 @@ class NixlDataPlane:
                 if not full and still >= SCAN_AHEAD:
                     break
             elif state == "DONE":
-                items += [Inbound("completion", x.peer, tag=t) for t in x.tags]
+                peer = x.peer
+                items += [Inbound("completion", peer, b"", t) for t in x.tags]
             elif state != "GONE":
                 why = reason or f"state {state}"
                 items += [Inbound("completion", x.peer, tag=t, ok=False, reason=why) for t in x.tags]

@@ -11,8 +11,12 @@ from kvfsm.protocol.functions import page_summary
 from kvfsm.testing import LoopbackCluster
 
 pages_st = st.one_of(
-    st.lists(st.integers(0, 50), max_size=30),
-    st.builds(lambda a, n: list(range(a, a + n)), st.integers(0, 1000), st.integers(0, 40)),
+    st.lists(st.integers(-5, 50), max_size=30),
+    st.builds(lambda a, n: list(range(a, a + n)), st.integers(-50, 1000), st.integers(0, 40)),
+    # runs that reach past the preset int template (grown on demand) and past its cap
+    st.builds(
+        lambda a, n: list(range(a, a + n)), st.sampled_from([4090, 5000, (1 << 20) - 3, 1 << 21]), st.integers(1, 9)
+    ),
 )
 
 
@@ -24,6 +28,15 @@ def test_page_summary_is_min_max_distinct_and_run(pages: list[int]) -> None:
     assert page_summary(t) == expected
     assert page_summary(t) == expected  # cached by identity: same answer
     assert page_summary(tuple(list(t))) == expected  # an equal list, another object
+
+
+@given(st.integers(0, (1 << 20) + 10), st.integers(0, 300))
+def test_run_of_is_the_run_with_its_summary_known(lo: int, n: int) -> None:
+    from kvfsm.protocol.functions import run_of
+
+    pages = run_of(lo, n)
+    assert pages == tuple(range(lo, lo + n)) and all(type(p) is int for p in pages)
+    assert page_summary(pages) == ((lo, lo + n - 1, True, True) if n else (0, -1, True, True))
 
 
 def test_a_list_is_never_cached_by_identity() -> None:

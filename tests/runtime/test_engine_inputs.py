@@ -78,3 +78,47 @@ def test_pages_that_are_not_integers_are_refused_and_change_nothing(bad: Any) ->
     sender.send([3, 4], is_last=True, aux_slot=1)
     c.settle()
     assert recv.poll() == KVPoll.Success and c.kv_equal(0, [3, 4], 0, [1, 2])
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        range(5, 9),
+        range(0, 0),
+        range(9, 5, -1),
+        range(-2, 2),
+        np.arange(5, 9, dtype=np.int32),
+        np.arange(5, 9, dtype=np.uint64),
+        np.array([5, 7, 6, 8]),
+        np.array([-1, 0, 1]),
+        np.array([], dtype=np.int64),
+        np.array([7]),
+        np.arange(4090, 4200),  # past the preset int template: grown on demand
+    ],
+    ids=[
+        "range",
+        "empty-range",
+        "descending-range",
+        "negative-range",
+        "np-int32",
+        "np-uint64",
+        "np-not-a-run",
+        "np-negative",
+        "np-empty",
+        "np-one",
+        "np-long",
+    ],  # fmt: skip
+)
+def test_runs_given_as_range_or_numpy_become_the_same_exact_int_tuples(given: Any) -> None:
+    """A range or an integer numpy array that is one ascending run skips the per-page checks
+    (it is one by construction, or checked vectorised); anything else takes the general path.
+    Either way the result is the tuple of exact ints a list would give, and its summary is right."""
+    from kvfsm.protocol.functions import page_summary
+    from kvfsm.runtime.manager import as_pages
+
+    want = tuple(int(p) for p in given)
+    got = as_pages(given)
+    assert got == want and all(type(p) is int for p in got)
+    run = want == tuple(range(want[0], want[0] + len(want))) if want else True
+    expected = (min(want), max(want), len(set(want)) == len(want), run) if want else (0, -1, True, True)
+    assert page_summary(got) == expected

@@ -325,3 +325,64 @@ def test_auto_lets_the_caller_post_device_and_tiny_host_writes_and_the_thread_th
     finally:
         for p in planes.values():
             p.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+@pytest.mark.parametrize("caller_posts", ["always", "never"])
+def test_write_many_posts_a_batch_together_and_refuses_only_its_bad_writes(caller_posts: str) -> None:
+    """``write_many``: each write is validated on its own (a bad one gets its TransportError in the
+    result and moves nothing; the others go on). Posted by the caller, the batch goes at once and
+    folded into one transfer, although a transfer is in flight (no Nagle hold); either way every
+    good write lands, notifies after its data and completes once."""
+    from kvfsm.transport.base import TransportError
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    block, n = 4096, 24
+    a = NixlDataPlane(f"many-a-{caller_posts}", caller_posts=caller_posts)
+    b = NixlDataPlane(f"many-b-{caller_posts}")
+    peer = b.name
+    src = np.random.default_rng(5).integers(0, 256, n * block, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    bad = {3: "outside", 7: "unknown"}
+    in_place: list[int] = []
+
+    def on_b(item: Inbound) -> None:
+        i = int(item.data)
+        if (dst[i * block : (i + 1) * block] == src[i * block : (i + 1) * block]).all():
+            in_place.append(i)
+
+    completions, done, on_a = _counting(n - len(bad))
+    try:
+        _connect(a, b, src, dst, block, on_a, on_b)
+        pause = {"_progress": lambda *args: None, "_completions": lambda *args: None, "_flush_held": lambda: None}
+        vars(a).update(pause)  # the first transfer stays in flight, as far as a knows
+        time.sleep(0.05)
+        a.write(peer, "kv", [Segment(0, 0, block)], b"0", ("m", 0))
+        writes: list[Any] = [
+            (peer, "kv", [Segment(i * block, i * block, block)], str(i).encode(), ("m", i)) for i in range(1, n)
+        ]
+        writes[3 - 1] = (peer, "kv", [Segment(0, n * block, block)], b"3", ("m", 3))  # beyond b's region
+        writes[7 - 1] = ("nobody", "kv", [Segment(7 * block, 7 * block, block)], b"7", ("m", 7))
+        results = a.write_many(writes)
+        posted = a.stats["transfers"]
+        for name in pause:
+            delattr(a, name)
+        assert [type(r) for r in results] == [TransportError if i in bad else int for i in range(1, n)]
+        assert "outside" in str(results[3 - 1]) and "unknown" in str(results[7 - 1])
+        assert all(r == block for i, r in enumerate(results, 1) if i not in bad)
+        if caller_posts == "always":
+            assert posted == 2 and not a._held  # the first write, then the whole batch as one transfer
+        assert done.wait(20)
+        deadline = time.monotonic() + 10
+        while len(in_place) < n - len(bad) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        good = [i for i in range(n) if i not in bad]
+        assert sorted(in_place) == good, "a notification arrived before its data, or never"
+        assert sorted(c.tag for c in completions) == [("m", i) for i in good] and all(c.ok for c in completions)
+        for i in range(n):
+            moved = (dst[i * block : (i + 1) * block] == src[i * block : (i + 1) * block]).all()
+            assert moved == (i not in bad)
+        assert a.stats["writes"] == n - len(bad)
+    finally:
+        a.close()
+        b.close()
