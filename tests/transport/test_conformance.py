@@ -248,6 +248,47 @@ def test_malformed_descriptor_is_refused(data_net: DataNet, descriptor: bytes) -
         data_net.planes["a"].write("mallory", "kv", [Segment(0, 0, 8)], b"x", "t")
 
 
+def test_write_many_is_each_write_in_order_and_refuses_only_the_bad_ones(data_net: DataNet) -> None:
+    """``write_many`` (the NIXL data plane's own, or ``base.write_many`` falling back to one
+    ``write`` at a time for the loopback): each write's bytes or the error that refused it, in
+    order; a refused write moves nothing, and every other write lands, notifies after its data
+    and completes once."""
+    from kvfsm.transport.base import write_many
+
+    src, dst = data_net.kv["a"], data_net.kv["b"]
+    in_place: list[int] = []
+
+    def check(name: str, item: Inbound) -> None:  # the write's own page holds its data already
+        if name == "b" and item.kind == "notification":
+            i = int(item.data[1:])
+            if (dst[(40 + i) * KV_BLOCK : (41 + i) * KV_BLOCK] == src[i * KV_BLOCK : (i + 1) * KV_BLOCK]).all():
+                in_place.append(i)
+
+    data_net.rec.hooks.append(check)
+    writes: list[Any] = []
+    expected = dst.copy()
+    good = []
+    for i in range(12):
+        seg = Segment(i * KV_BLOCK, (40 + i) * KV_BLOCK, KV_BLOCK)
+        if i == 3:
+            writes.append(("b", "kv", [Segment(0, KV_BYTES, KV_BLOCK)], b"m3", ("m", i)))  # beyond b's region
+        elif i == 7:
+            writes.append(("nobody", "kv", [seg], b"m7", ("m", i)))
+        else:
+            expected = _apply(expected, src, [seg])
+            writes.append(("b", "kv", [seg], f"m{i}".encode(), ("m", i)))
+            good.append(i)
+    results = write_many(data_net.planes["a"], writes)
+    assert [type(r) is int for r in results] == [i in good for i in range(12)]
+    assert isinstance(results[3], TransportError) and isinstance(results[7], TransportError)
+    data_net.wait(lambda: len(data_net.rec.got("a", "completion")) == len(good))
+    data_net.wait(lambda: len(data_net.rec.got("b", "notification")) == len(good))
+    assert (dst == expected).all()
+    assert sorted(in_place) == good, "a notification arrived before its data"
+    tags = sorted(c.tag for c in data_net.rec.got("a", "completion"))
+    assert tags == [("m", i) for i in good] and all(c.ok for c in data_net.rec.got("a", "completion"))
+
+
 def test_concurrent_writers_each_complete_exactly_once(data_net: DataNet) -> None:
     src, dst = data_net.kv["a"], data_net.kv["b"]
     writers, per = 4, 16
