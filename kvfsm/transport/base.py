@@ -26,8 +26,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from kvfsm.protocol.records import fast_init  # (pure: no I/O; the runtime's records use it too)
-
 Region = Literal["kv", "aux"]
 
 
@@ -35,7 +33,6 @@ class TransportError(Exception):
     """A data-plane operation failed (peer dead, region not registered, out of bounds)."""
 
 
-@fast_init
 @dataclass(frozen=True, slots=True)
 class Segment:
     """One contiguous copy: ``length`` bytes from local offset ``src`` to remote offset ``dst``."""
@@ -45,7 +42,6 @@ class Segment:
     length: int
 
 
-@fast_init
 @dataclass(frozen=True, slots=True)
 class Inbound:
     """Something that arrived for an endpoint.
