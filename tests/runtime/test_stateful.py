@@ -423,21 +423,39 @@ class KVMachine(RuleBasedStateMachine):
         h.obj.send(h.plan.src[h.sent : h.sent + k], is_last=last, aux_slot=h.plan.slot if last else None)
         h.sent += k
 
+    def _send_many(self, data: st.DataObject) -> None:
+        """Several rooms of one prefill rank hand over their next chunk in one send_many()."""
+        assert self.c is not None
+        rank = data.draw(st.sampled_from(sorted({h.rank for h in self._sendable()})), label="send_many rank")
+        mine = [h for h in self._sendable() if h.rank == rank]
+        chosen = data.draw(st.lists(st.sampled_from(mine), min_size=1, unique_by=id), label="send_many rooms")
+        items = []
+        for h in chosen:
+            total = len(h.plan.src)
+            k = min(data.draw(st.integers(1, 2), label="chunk pages"), total - h.sent)
+            last = h.sent + k == total
+            items.append((h.obj, h.plan.src[h.sent : h.sent + k], last, h.plan.slot if last else None))
+            h.sent += k
+        self.c.prefill[rank].send_many(items)
+
     def _engine_steps(self) -> list[str]:
         steps = [f"create {s}" for s in ("D", "P") if self._creatable(s)]
-        return steps + (["init"] if self._initable() else []) + (["send"] if self._sendable() else [])
+        sends = ["send", "send many"] if self._sendable() else []
+        return steps + (["init"] if self._initable() else []) + sends
 
     @precondition(lambda self: self.c is not None and bool(self._engine_steps()))
     @rule(data=st.data())
     @_step
     def engine_step(self, data: st.DataObject) -> None:
-        """Any of the four rules below. Hypothesis disables a random subset of rules in each run
+        """Any of the five rules below. Hypothesis disables a random subset of rules in each run
         (swarm testing); this keeps runs in which the whole happy path stays possible common."""
         step = data.draw(st.sampled_from(self._engine_steps()), label="engine step")
         if step.startswith("create"):
             self._create(step[-1], data)
         elif step == "init":
             self._init(data)
+        elif step == "send many":
+            self._send_many(data)
         else:
             self._send(data)
 
@@ -467,6 +485,13 @@ class KVMachine(RuleBasedStateMachine):
     def send_chunk(self, data: st.DataObject) -> None:
         """The next 1-2 pages while poll() is not Failed; the last chunk carries the aux slot."""
         self._send(data)
+
+    @precondition(lambda self: bool(self._sendable()))
+    @rule(data=st.data())
+    @_step
+    def send_chunks_at_once(self, data: st.DataObject) -> None:
+        """send_many(): the next chunk of several rooms of one prefill rank, writes handed over together."""
+        self._send_many(data)
 
     def _abort(self, h: Handle) -> None:
         before = h.obj.poll()
