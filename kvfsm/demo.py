@@ -293,6 +293,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     real.add_argument("--kill-prefill", type=int, default=None, metavar="RANK",
                       help="SIGKILL this prefill rank's process in the middle of the second wave")  # fmt: skip
     real.add_argument("--chunk-interval", type=float, default=0.0, help="prefill: seconds between chunk rounds")
+    real.add_argument("--batch", action="store_true", help="prefill: each chunk round of all rooms in one send_many()")
     real.add_argument("--ucx", action="append", default=[], metavar="KEY=VALUE", help="NIXL UCX backend parameter")
     real.add_argument("--prefill-netns", default="", help="run prefill ranks (and bootstrap) in this netns")
     real.add_argument("--decode-netns", default="", help="run decode ranks in this network namespace")
@@ -325,6 +326,7 @@ def main_processes(args: argparse.Namespace) -> int:
         decode_host=args.decode_host,
         prefill_netns=args.prefill_netns,
         decode_netns=args.decode_netns,
+        batched=args.batch,
     )
     res = run_cluster(cfg, kill_prefill=args.kill_prefill)
     if args.json:

@@ -62,6 +62,7 @@ class ClusterConfig:
     chunk_interval: float = 0.0  # prefill: seconds between a wave's chunk rounds (kill tests)
     ucx_params: dict[str, str] = field(default_factory=dict)  # NIXL UCX backend parameters
     caller_posts: str = "auto"  # NixlDataPlane: who posts writes (auto: the caller for device memory)
+    batched: bool = False  # prefill: each chunk round of a wave in one send_many() (an engine's forward step)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for node processes (UCX_TLS...)
     prefill_host: str = "127.0.0.1"
     decode_host: str = "127.0.0.1"
@@ -168,13 +169,19 @@ def run_prefill(cfg: ClusterConfig, rank: int, bootstrap: str) -> dict[str, Any]
             aux[slot * cfg.aux_bytes : (slot + 1) * cfg.aux_bytes] = raux
             senders[rid] = mgr.create_sender(rid)
         for c in range(cfg.chunks):
+            last = c == cfg.chunks - 1
+            batch = []
             for slot, rid in enumerate(wave):
                 s = senders[rid]
                 if s.poll() == KVPoll.Failed:
                     continue
                 pages = src_pages(cfg, slot)[c * cfg.pages_per_chunk : (c + 1) * cfg.pages_per_chunk]
-                last = c == cfg.chunks - 1
-                s.send(pages, is_last=last, aux_slot=slot if last else None)
+                batch.append((s, pages, last, slot if last else None))
+            if cfg.batched:
+                mgr.send_many(batch)
+            else:
+                for s, pages, is_last, aux_slot in batch:
+                    s.send(pages, is_last=is_last, aux_slot=aux_slot)
             emit("chunk", wave=w, chunk=c)
             if cfg.chunk_interval:
                 _wait(senders, lambda s: s.poll() in TERMINAL, time.monotonic() + cfg.chunk_interval)

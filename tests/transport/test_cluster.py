@@ -30,12 +30,18 @@ def _explain(res: dict[str, Any]) -> str:
     return json.dumps(res.get("problems"), indent=1) + "".join(f"\n--- {k} ---\n{v}" for k, v in tails.items())
 
 
-@pytest.mark.parametrize("caller_posts", ["auto", "always"])
-def test_two_processes_move_every_byte(caller_posts: str) -> None:
+@pytest.mark.parametrize(
+    ("caller_posts", "batched"),
+    [("auto", False), ("always", False), ("always", True)],
+    ids=["auto", "always", "send_many"],
+)
+def test_two_processes_move_every_byte(caller_posts: str, batched: bool) -> None:
     """``always``: every write posted by the engine's thread, its completions handed to the
-    runtime from inside write() (as on GPUs), not only by the poller."""
+    runtime from inside write() (as on GPUs), not only by the poller. ``send_many``: each chunk
+    round of a wave handed over in one send_many() (write_many across the worker shards)."""
     cfg = ClusterConfig(rooms=12, chunks=3, ranks=1, pages_per_chunk=4, page_bytes=8192, concurrency=4, seed=3)
     cfg.caller_posts = caller_posts
+    cfg.batched = batched
     res = run_cluster(cfg)
     assert res["ok"], _explain(res)
     assert res["succeeded"] == 12 and res["failed"] == 0
