@@ -82,15 +82,17 @@ _INTS_MAX = 1 << 20  # 1M pages (~36 MB of ints at most); runs beyond it are bui
 def _ints(lo: int, n: int) -> tuple[int, ...]:
     """The tuple (lo, lo + 1, ..., lo + n - 1) (``lo`` >= 0), a slice of _INTS where it fits."""
     global _INTS
-    hi = lo + n
-    if hi > len(_INTS):
+    ints, hi = _INTS, lo + n  # (one read: another thread may replace _INTS meanwhile)
+    if hi > len(ints):
         if hi > _INTS_MAX:
             return tuple(range(lo, hi))
-        size = len(_INTS)
+        size = len(ints)
         while size < hi:
             size *= 2
-        _INTS = tuple(range(min(size, _INTS_MAX)))  # (another thread may still slice the old one)
-    return _INTS[lo:hi]
+        ints = tuple(range(min(size, _INTS_MAX)))
+        if len(ints) > len(_INTS):
+            _INTS = ints
+    return ints[lo:hi]
 
 
 def run_of(lo: int, n: int) -> tuple[int, ...]:
