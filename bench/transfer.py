@@ -33,9 +33,10 @@ raw. ``*_post_seconds`` is the time spent inside NIXL's post over all
 repetitions (on CPU memory UCX copies the bytes there); ``kvfsm_send_seconds`` the median time
 the engine spent handing chunks over, ``kvfsm_send_cpu_seconds`` its thread's CPU time meanwhile
 (equal: the engine thread is CPU-bound; less: it waited for locks or the GIL).
-``--profile`` adds, per case, every initiator thread's CPU seconds and the calls and wall
-seconds of each NIXL method per thread (the wrapper costs ~1 µs per call: compare profiles
-with profiles only).
+``--profile`` adds, per case, the CPU seconds of every thread of both processes over the timed
+windows (decode's: from its announcement to Success) and the calls and wall seconds of each
+initiator NIXL method per thread (the wrapper costs ~1 µs per call: compare profiles with
+profiles only).
 
 Writes JSON (default bench/results/transfer.json); ``goal`` is per engine API. ``--check``
 exits 1 if kvfsm falls below 0.9x raw NIXL for any contiguous case with chunks >= 1 MiB, with
@@ -373,13 +374,14 @@ def kvfsm_initiator(
             times, handing, cpu = [], [], []
             gc0 = GC.snapshot()
             calls.clear()
-            cpu0 = _thread_cpu()
+            threads: dict[str, float] = {}  # --profile: CPU seconds per thread in the timed windows
             for _ in range(reps + 1):
                 ids = list(range(room_id, room_id + rooms))
                 room_id += rooms
                 senders = [mgr.create_sender(rid) for rid in ids]
                 conn.send(ids)
                 _wait_all(mgr, ids, KVPoll.WaitingForInput)  # decode announced
+                cpu0 = _thread_cpu() if profile else {}
                 c0 = time.thread_time()
                 t0 = time.perf_counter()
                 for c in range(chunks):
@@ -395,6 +397,8 @@ def kvfsm_initiator(
                 cpu.append(time.thread_time() - c0)
                 _wait_all(mgr, ids, KVPoll.Success)
                 times.append(time.perf_counter() - t0)
+                for k, v in (_thread_cpu() if profile else {}).items():
+                    threads[k] = threads.get(k, 0.0) + v - cpu0.get(k, 0.0)
                 for s in senders:
                     s.clear()
                 if not conn.recv():
@@ -410,9 +414,9 @@ def kvfsm_initiator(
             # the interpreter's garbage collections meanwhile (all repetitions, the untimed parts too)
             case[f"{pre}_gc"] = GC.since(gc0)
             if profile:
-                cpu1 = _thread_cpu()
                 case[f"{pre}_profile"] = {
-                    "thread_cpu_seconds": {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()},
+                    "thread_cpu_seconds": threads,  # timed windows only (every repetition)
+                    "decode_thread_cpu_seconds": conn.recv(),  # the target's, announcement to Success
                     "nixl_calls": {k: {"calls": int(n), "seconds": t} for k, (n, t) in sorted(calls.items())},
                 }
     conn.send(None)
@@ -442,18 +446,21 @@ def _initiator(parent: Any, conn: Any, nbytes: int, device: str, params: dict[st
 
 
 def _target(conn: Any, nbytes: int, device: str, params: dict[str, str], all_cases: Any, reps: int,
-            boot: str, apis: list[str]) -> None:  # fmt: skip
+            boot: str, apis: list[str], profile: bool) -> None:  # fmt: skip
     dst = _buffer(nbytes, device, None)
     raw_target(conn, dst, params, all_cases, reps)
     expected = _buffer(nbytes, device, 7)
     dst.zero_()
-    kvfsm_target(conn, dst, expected, params, [c for c in all_cases for _ in apis], reps, boot)
+    kvfsm_target(conn, dst, expected, params, [c for c in all_cases for _ in apis], reps, boot, profile)
 
 
 def kvfsm_target(
-    conn: Any, dst: Any, expected: Any, params: dict[str, str], all_cases: Any, reps: int, boot: str
-) -> None:
-    """Decode side: announce pages for each batch of rooms the initiator names, verify, clear."""
+    conn: Any, dst: Any, expected: Any, params: dict[str, str], all_cases: Any, reps: int, boot: str,
+    profile: bool = False,
+) -> None:  # fmt: skip
+    """Decode side: announce pages for each batch of rooms the initiator names, verify, clear.
+    ``profile``: after each case, send the initiator this process's CPU seconds per thread from
+    the announcement to Success (every repetition)."""
     from kvfsm.protocol import KVPoll
     from kvfsm.runtime import DecodeManager, RuntimeConfig
     from kvfsm.transport.zmq import BootstrapClient
@@ -479,13 +486,17 @@ def kvfsm_target(
         dst_pages = [
             _held(case, [p for c in range(chunks) for p in pages_of(case, r, c, "decode")]) for r in range(rooms)
         ]
+        threads: dict[str, float] = {}
         for _ in range(reps + 1):
             ids = conn.recv()
             recv = [mgr.create_receiver(rid) for rid in ids]
             _wait_all(mgr, ids, KVPoll.WaitingForInput)
+            cpu0 = _thread_cpu() if profile else {}
             for r, rc in enumerate(recv):
                 rc.init(dst_pages[r], r)
             _wait_all(mgr, ids, KVPoll.Success)
+            for k, v in (_thread_cpu() if profile else {}).items():
+                threads[k] = threads.get(k, 0.0) + v - cpu0.get(k, 0.0)
             ok = all(
                 _same_pages(dst, expected, pages_of(case, r, c, "prefill"), pages_of(case, r, c, "decode"), page)
                 for r in range(rooms)
@@ -495,6 +506,8 @@ def kvfsm_target(
                 rc.clear()
             dst.zero_()
             conn.send(ok)
+        if profile:
+            conn.send(threads)
     conn.recv()  # None: the initiator is done
     conn.send("bye")
     client.close()
@@ -532,7 +545,7 @@ def run(
         ),
         ctx.Process(
             target=_target,
-            args=(b, nbytes, target_device, params, all_cases, reps, server.address, list(apis)),
+            args=(b, nbytes, target_device, params, all_cases, reps, server.address, list(apis), profile),
         ),
     ]
     for p in procs:

@@ -41,8 +41,10 @@ poller thread per data plane drives the agent: it checks the in-flight transfers
 each round, all of them every ``FULL_SCAN_S``), turns DONE or an error into "completion" items,
 collects notifications (which also progresses UCX for peers writing into us: their writes complete
 only once we did) and hands everything to the handler. It polls every ``busy_poll_s`` while
-transfers are in flight or traffic was seen within ``hot_window_s``, else waits up to
-``idle_poll_s`` (a post wakes it), and stands back (up to ``MAX_DEFER_S``) while a post waits. One
+transfers are in flight; after traffic, within ``hot_window_s``, every eighth of the quiet so far
+(from ``busy_poll_s`` up to ``idle_poll_s``); else it waits up to ``idle_poll_s`` (a post wakes
+it). While a post waits for the agent or is inside it, it stands back (up to ``MAX_DEFER_S``),
+woken when the post ends: a timed wake-up costs tens of µs of CPU on a VM. One
 lock guards every call into the agent (the agent's default sync mode takes none), taken per call.
 
 A transfer still in flight after ``xfer_timeout_s`` is cancelled and completed as failed, so no
@@ -467,8 +469,11 @@ class NixlDataPlane:
     def write_many(self, writes: Sequence[Write]) -> list[int | Exception]:
         """Several writes at once (``DataPlane.write_many``): each is validated as ``write``
         validates it (a refused one gets its exception in the result, nothing of it moves, the
-        others go on); those the caller posts are posted now, folded, in one turn on the agent
-        (no Nagle hold: the batch is the unit), the rest queued for the posting thread in one go."""
+        others go on); the rest are queued for the posting thread in one go, and those the caller
+        posts are posted now, folded, in one turn on the agent (no Nagle hold: the batch is the
+        unit). Only if another thread is inside a NIXL call (the posting thread copying host
+        memory, say, which takes as long as the copy) does the caller hold them rather than wait,
+        as ``write`` does (see ``_post_now``): the thread posts them when its call ends."""
         out: list[int | Exception] = []
         mine: list[_Job] = []
         queued: list[_Job] = []
@@ -486,7 +491,8 @@ class NixlDataPlane:
             with self._held_lock:
                 self._held += mine
                 self._held_bytes += sum(j.total for j in mine)
-                self._lock.acquire()
+                if not self._lock.acquire(blocking=len(self._held) >= HOLD_LIMIT * self.flush_jobs):
+                    return out
                 jobs = self._take_held()
             self._post_locked(jobs)
         return out
@@ -769,7 +775,11 @@ class NixlDataPlane:
                 return
             now = time.monotonic()
             if self._posting and now - last_round < MAX_DEFER_S:
-                time.sleep(self.busy_poll_s)  # a post waits for the agent: let it go first
+                # a post waits for the agent or is inside it (on host memory: copying): let it
+                # go first, woken when it ends rather than every busy_poll_s (a wake-up costs
+                # ~30 µs of CPU on a VM, which a long copy would pay every 200 µs)
+                self._wake.wait(MAX_DEFER_S - (now - last_round))
+                self._wake.clear()
                 continue
             last_round = now
             try:
@@ -786,8 +796,12 @@ class NixlDataPlane:
             self._hand_over(items)
             if items:
                 idle_since = now
-            if busy or now - idle_since < self.hot_window_s:
-                time.sleep(self.busy_poll_s)  # transfers in flight or traffic just seen: poll often
+            if busy:
+                time.sleep(self.busy_poll_s)  # transfers in flight: poll often
+            elif now - idle_since < self.hot_window_s:
+                # traffic seen lately: poll often at first, less as the quiet lasts (a notification
+                # waits at most an eighth of the quiet so far, up to idle_poll_s)
+                time.sleep(min(self.idle_poll_s, max(self.busy_poll_s, (now - idle_since) / 8)))
             else:
                 self._wake.wait(self.idle_poll_s)
                 self._wake.clear()
