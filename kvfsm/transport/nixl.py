@@ -797,14 +797,21 @@ class NixlDataPlane:
             if items:
                 idle_since = now
             if busy:
-                time.sleep(self.busy_poll_s)  # transfers in flight: poll often
+                interval = self.busy_poll_s  # transfers in flight: poll often
             elif now - idle_since < self.hot_window_s:
                 # traffic seen lately: poll often at first, less as the quiet lasts (a notification
                 # waits at most an eighth of the quiet so far, up to idle_poll_s)
-                time.sleep(min(self.idle_poll_s, max(self.busy_poll_s, (now - idle_since) / 8)))
+                interval = min(self.idle_poll_s, max(self.busy_poll_s, (now - idle_since) / 8))
             else:
                 self._wake.wait(self.idle_poll_s)
                 self._wake.clear()
+                continue
+            # Rounds start every interval: after a long hand-over (the runtime stepping a burst
+            # of completions or notifications) the next round is due at once, since UCX was not
+            # progressed meanwhile (a peer's write into us completes only when we progress).
+            pause = interval - (time.monotonic() - now)
+            if pause > 0:
+                time.sleep(pause)
 
     def _hand_over(self, items: list[Inbound]) -> None:
         """Give a round's items to the handler: in one call if a batch handler is set, in slices
