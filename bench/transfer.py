@@ -437,37 +437,8 @@ def _same_pages(dst: Any, src: Any, sp: list[int], dp: list[int], page: int) -> 
 # ------------------------------------------------------------------------------------- processes
 
 
-def _pin_near(device: str) -> list[int] | None:
-    """``--pin``: run this process on the CPUs local to its GPU (the PCI device's NUMA node, as
-    Linux lists it); returns them, or None where that is unknown (a CPU device, no sysfs entry)."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    props = torch.cuda.get_device_properties(torch.device(device))
-    domain, bus, dev = (getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device"))
-    if bus is None:
-        return None
-    path = Path(f"/sys/bus/pci/devices/{domain or 0:04x}:{bus:02x}:{dev or 0:02x}.0/local_cpulist")
-    try:
-        spec = path.read_text().strip()
-    except OSError:
-        return None
-    cpus = [c for part in spec.split(",") for c in _cpu_range(part)]
-    os.sched_setaffinity(0, cpus)
-    return cpus
-
-
-def _cpu_range(part: str) -> range:
-    lo, _, hi = part.partition("-")
-    return range(int(lo), int(hi or lo) + 1)
-
-
 def _initiator(parent: Any, conn: Any, nbytes: int, device: str, params: dict[str, str], all_cases: Any,
-               reps: int, boot: str, apis: list[str], profile: bool, pin: bool) -> None:  # fmt: skip
-    cpus = _pin_near(device) if pin else None
-    for c in all_cases:
-        c["initiator_cpus"] = cpus
+               reps: int, boot: str, apis: list[str], profile: bool) -> None:  # fmt: skip
     src = _buffer(nbytes, device, 7)
     raw_initiator(conn, src, params, all_cases, reps)
     kvfsm_initiator(conn, src, params, all_cases, reps, boot, apis, profile)
@@ -475,9 +446,7 @@ def _initiator(parent: Any, conn: Any, nbytes: int, device: str, params: dict[st
 
 
 def _target(conn: Any, nbytes: int, device: str, params: dict[str, str], all_cases: Any, reps: int,
-            boot: str, apis: list[str], profile: bool, pin: bool) -> None:  # fmt: skip
-    if pin:
-        _pin_near(device)
+            boot: str, apis: list[str], profile: bool) -> None:  # fmt: skip
     dst = _buffer(nbytes, device, None)
     raw_target(conn, dst, params, all_cases, reps)
     expected = _buffer(nbytes, device, 7)
@@ -558,7 +527,6 @@ def run(
     apis: tuple[str, ...] = tuple(API_PREFIX),
     profile: bool = False,
     pages: str = "list",
-    pin: bool = False,
 ) -> list[dict[str, Any]]:
     from kvfsm.transport.zmq import BootstrapServer
 
@@ -573,11 +541,11 @@ def run(
     procs = [
         ctx.Process(
             target=_initiator,
-            args=(child, a, nbytes, device, params, all_cases, reps, server.address, list(apis), profile, pin),
+            args=(child, a, nbytes, device, params, all_cases, reps, server.address, list(apis), profile),
         ),
         ctx.Process(
             target=_target,
-            args=(b, nbytes, target_device, params, all_cases, reps, server.address, list(apis), profile, pin),
+            args=(b, nbytes, target_device, params, all_cases, reps, server.address, list(apis), profile),
         ),
     ]
     for p in procs:
@@ -643,8 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", help="comma-separated chunk sizes in KiB (default: 4 KiB ... 256 MiB)")
     ap.add_argument("--layouts", default="contig,scattered", help="contig, scattered or both")
     ap.add_argument("--api", default="send,send_many", help="engine APIs to measure: send, send_many or both")
-    ap.add_argument("--profile", action="store_true", help="per case: thread CPU (both sides), NIXL call times")
-    ap.add_argument("--pin", action="store_true", help="GPUs: run each process on the CPUs local to its GPU")
+    ap.add_argument("--profile", action="store_true", help="per case: thread CPU and NIXL call times (initiator)")
     ap.add_argument(
         "--pages",
         choices=("list", "numpy"),
@@ -665,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     target = args.target_device or args.device
     layouts = tuple(args.layouts.split(","))
     reps = 1 if args.quick else args.reps
-    measured = run(sizes, budget, reps, args.device, target, params, layouts, apis, args.profile, args.pages, args.pin)
+    measured = run(sizes, budget, reps, args.device, target, params, layouts, apis, args.profile, args.pages)
     goal = [c for c in measured if c["layout"] == "contig" and c["size"] >= MiB]
     worst = {api: min((c[RATIO[api]] for c in goal), default=None) for api in apis}
     result = {
