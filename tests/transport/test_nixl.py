@@ -297,20 +297,21 @@ def test_a_posting_caller_does_not_wait_for_the_agent_but_holds_its_writes_up_to
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
-def test_write_many_does_not_wait_for_a_busy_agent_but_holds_its_batch_up_to_a_limit() -> None:
-    """While another thread is inside a NIXL call (on host memory the posting thread copies for as
-    long as the copy takes), a caller's ``write_many`` holds its caller-posted writes rather than
-    waiting for the agent, as ``write`` does; a batch that brings the held writes to HOLD_LIMIT x
-    flush_jobs waits. Once the agent is free every held write is posted and completes once."""
+def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_for_the_agent() -> None:
+    """While a post is under way (on host memory the posting thread copies for as long as the copy
+    takes), a caller's ``write_many`` holds its caller-posted writes rather than waiting for the
+    agent, as ``write`` does; a batch that brings the held writes to HOLD_LIMIT x flush_jobs waits.
+    The agent busy with anything else (the poller's status check), it waits. Once the agent is free
+    every held write is posted and completes once."""
     from kvfsm.transport.nixl import HOLD_LIMIT, NixlDataPlane
 
     block, flush = 4096, 2
     n = HOLD_LIMIT * flush
     a = NixlDataPlane("busymany-a", caller_posts="always", flush_jobs=flush)
     b = NixlDataPlane("busymany-b")
-    src = np.random.default_rng(6).integers(0, 256, n * block, dtype=np.uint8)
+    src = np.random.default_rng(6).integers(0, 256, (n + 1) * block, dtype=np.uint8)
     dst = np.zeros_like(src)
-    completions, done, on_a = _counting(n)
+    completions, done, on_a = _counting(n + 1)
 
     def batch(lo: int, hi: int) -> list[Any]:
         return [("busymany-b", "kv", [Segment(i * block, i * block, block)], str(i).encode(), ("w", i))
@@ -319,23 +320,37 @@ def test_write_many_does_not_wait_for_a_busy_agent_but_holds_its_batch_up_to_a_l
     results: list[Any] = []
     try:
         _connect(a, b, src, dst, block, on_a, lambda item: None)
+        pause = {"_progress": lambda *args: None, "_flush_held": lambda: None}
+        vars(a).update(pause)  # the poller stays out of it (it would post held writes itself)
+        time.sleep(0.05)
         # (on threads: a caller that wrongly waits fails the test, not hangs it)
         first = threading.Thread(target=lambda: results.append(a.write_many(batch(0, n - 1))))
         last = threading.Thread(target=lambda: results.append(a.write_many(batch(n - 1, n))))
         with a._lock:  # as if the posting thread were inside a long copy
+            a._posting += 1
             first.start()
             first.join(5)
             held = len(a._held)
             last.start()
             last.join(0.2)
             waited = last.is_alive()
+            a._posting -= 1
         assert not first.is_alive() and held == n - 1, "below the limit write_many holds its writes"
         assert waited, "at the limit write_many should wait for the agent"
         last.join(5)
         assert not last.is_alive()
-        assert [r for batch_result in results for r in batch_result] == [block] * n
+        other = threading.Thread(target=lambda: results.append(a.write_many(batch(n, n + 1))))
+        with a._lock:  # as if the poller were inside a status check: no post under way
+            other.start()
+            other.join(0.2)
+            waited_for_check = other.is_alive()
+        other.join(5)
+        for name in pause:
+            delattr(a, name)  # the class's methods again: the poller completes what is in flight
+        assert waited_for_check and not other.is_alive(), "with no post under way write_many waits"
+        assert [r for batch_result in results for r in batch_result] == [block] * (n + 1)
         assert done.wait(20)
-        assert sorted(c.tag for c in completions) == [("w", i) for i in range(n)]
+        assert sorted(c.tag for c in completions) == [("w", i) for i in range(n + 1)]
         assert all(c.ok for c in completions) and (dst == src).all()
     finally:
         a.close()
