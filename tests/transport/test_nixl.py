@@ -253,6 +253,28 @@ def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flus
         b.close()
 
 
+def _hold_then_wait(plane: Any, first: Any, last: Any, posting: bool = False) -> tuple[bool, int, bool]:
+    """Run ``first`` and then ``last`` on threads while ``plane``'s agent lock is taken (and, if
+    ``posting``, a post counted as under way); returns (``first`` returned, writes held then,
+    ``last`` waited for the agent). Once the lock is free ``last`` must return too. (On threads: a
+    caller that wrongly waits fails the test, not hangs it.)"""
+    t_first, t_last = threading.Thread(target=first), threading.Thread(target=last)
+    with plane._lock:
+        plane._posting += int(posting)
+        t_first.start()
+        t_first.join(5)
+        returned = not t_first.is_alive()
+        held = len(plane._held)
+        t_last.start()
+        t_last.join(0.2)
+        waited = t_last.is_alive()
+        plane._posting -= int(posting)
+    t_first.join(5)
+    t_last.join(5)
+    assert not t_last.is_alive(), "the caller still waits for a free agent"
+    return returned, held, waited
+
+
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_a_posting_caller_does_not_wait_for_the_agent_but_holds_its_writes_up_to_a_limit() -> None:
     """While another thread is inside a NIXL call (the agent's lock taken), a caller that would
@@ -273,21 +295,10 @@ def test_a_posting_caller_does_not_wait_for_the_agent_but_holds_its_writes_up_to
 
     try:
         _connect(a, b, src, dst, block, on_a, lambda item: None)
-        # (the writes run on threads: a caller that wrongly waits fails the test, not hangs it)
-        first = threading.Thread(target=lambda: [write(i) for i in range(n - 1)])
-        last = threading.Thread(target=write, args=(n - 1,))
-        with a._lock:  # as if the poller were inside a NIXL call
-            first.start()
-            first.join(5)
-            held = len(a._held)
-            last.start()
-            last.join(0.2)
-            waited = last.is_alive()
-        assert not first.is_alive() and held == n - 1, "below the limit a caller holds its writes"
+        # as if the poller were inside a NIXL call
+        returned, held, waited = _hold_then_wait(a, lambda: [write(i) for i in range(n - 1)], lambda: write(n - 1))
+        assert returned and held == n - 1, "below the limit a caller holds its writes"
         assert waited, "at the limit the caller should wait for the agent"
-        first.join(5)
-        last.join(5)
-        assert not last.is_alive()
         assert done.wait(20)
         assert sorted(c.tag for c in completions) == [("b", i) for i in range(n)]
         assert all(c.ok for c in completions) and (dst == src).all()
@@ -323,22 +334,14 @@ def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_f
         pause = {"_progress": lambda *args: None, "_flush_held": lambda: None}
         vars(a).update(pause)  # the poller stays out of it (it would post held writes itself)
         time.sleep(0.05)
-        # (on threads: a caller that wrongly waits fails the test, not hangs it)
-        first = threading.Thread(target=lambda: results.append(a.write_many(batch(0, n - 1))))
-        last = threading.Thread(target=lambda: results.append(a.write_many(batch(n - 1, n))))
-        with a._lock:  # as if the posting thread were inside a long copy
-            a._posting += 1
-            first.start()
-            first.join(5)
-            held = len(a._held)
-            last.start()
-            last.join(0.2)
-            waited = last.is_alive()
-            a._posting -= 1
-        assert not first.is_alive() and held == n - 1, "below the limit write_many holds its writes"
+        returned, held, waited = _hold_then_wait(  # as if the posting thread were inside a long copy
+            a,
+            lambda: results.append(a.write_many(batch(0, n - 1))),
+            lambda: results.append(a.write_many(batch(n - 1, n))),
+            posting=True,
+        )
+        assert returned and held == n - 1, "below the limit write_many holds its writes"
         assert waited, "at the limit write_many should wait for the agent"
-        last.join(5)
-        assert not last.is_alive()
         other = threading.Thread(target=lambda: results.append(a.write_many(batch(n, n + 1))))
         with a._lock:  # as if the poller were inside a status check: no post under way
             other.start()
