@@ -50,6 +50,7 @@ class KVReceiver(RoomHandle):
 
 class DecodeManager(Manager):
     side = "decode"
+    receives_writes = True  # push mode: prefill writes into our pages
 
     def __init__(
         self,

@@ -201,6 +201,10 @@ class RoomHandle:
 
 class Manager:
     side: str
+    # Peers write into this side's memory (push mode: decode's pages). While such a rank has
+    # rooms it tells its endpoint to expect traffic (``expect_traffic``); otherwise a data plane
+    # that polls may poll rarely when nothing of its own is in flight.
+    receives_writes = False
 
     def __init__(
         self,
@@ -256,6 +260,9 @@ class Manager:
         batch = getattr(endpoint, "set_batch_handler", None)
         if batch is not None:
             batch(self._on_inbound_batch)
+        self._traffic_hint = getattr(endpoint, "expect_traffic", None)
+        self._expecting: bool | None = None
+        self._expect_traffic()
 
     # ------------------------------------------------------------------ engine-facing helpers
 
@@ -363,6 +370,14 @@ class Manager:
     def _tick_side(self, now: float) -> None:
         pass
 
+    def _expect_traffic(self) -> None:
+        """Tell the endpoint whether peers may write into us now, when that changes (see
+        ``receives_writes``; the lock held, or in __init__)."""
+        on = self.receives_writes and bool(self._rooms)
+        if on != self._expecting and self._traffic_hint is not None:
+            self._traffic_hint(on)
+        self._expecting = on
+
     def _side_deadline(self) -> float | None:
         """When ``_tick_side`` next has work (wait() wakes for it), or None."""
         return None
@@ -388,6 +403,7 @@ class Manager:
             )
         now = self.clock()
         self._rooms[rid] = RoomRuntime(room, now, now)
+        self._expect_traffic()
         self.telemetry.count("rooms_created")
         self._execute(self._rooms[rid], self.machine.create(room, now), now)
 
@@ -461,6 +477,7 @@ class Manager:
                 self._timers.cancel_room(room.room)
                 return  # the bug: the cleared room stays routable
             del self._rooms[room.room]
+            self._expect_traffic()
             self._timers.cancel_room(room.room)
             expiry = now + self.config.tombstone_ttl_s
             self._tombstones[room.room] = (before, expiry)

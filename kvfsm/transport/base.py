@@ -188,6 +188,11 @@ class DataPlane(Protocol):
     # result, in order; a data plane that posts in transfers may fold them into fewer.
     # ``write_many`` below is the fallback for data planes without it.
 
+    # Optional: ``expect_traffic(on: bool)``, the owner's hint whether peers may write into (or
+    # read from) our memory now: a decode rank with rooms in flight, say. A data plane that must
+    # poll to notice a peer's writes (NIXL: and to let them complete) may poll rarely while it is
+    # off and nothing of its own is in flight. Before the first call a data plane assumes on.
+
 
 def write_many(plane: Any, writes: Sequence[Write]) -> list[int | Exception]:
     """``plane.write_many(writes)`` if the data plane (or endpoint) has it, else one ``write`` at a
@@ -269,6 +274,12 @@ class SplitEndpoint:
 
     def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self.data.read(peer, region, segments, notification, tag)
+
+    def expect_traffic(self, on: bool) -> None:
+        """Pass the hint on to a data plane that offers ``expect_traffic``."""
+        hint = getattr(self.data, "expect_traffic", None)
+        if hint is not None:
+            hint(on)
 
     def write_many(self, writes: Sequence[Write]) -> list[int | Exception]:
         return write_many(self.data, writes)

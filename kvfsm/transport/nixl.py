@@ -43,7 +43,8 @@ collects notifications (which also progresses UCX for peers writing into us: the
 only once we did) and hands everything to the handler. It polls every ``busy_poll_s`` while
 transfers are in flight; after traffic, within ``hot_window_s``, every eighth of the quiet so far
 (from ``busy_poll_s`` up to ``idle_poll_s``); else it waits up to ``idle_poll_s`` (a post wakes
-it). While a post waits for the agent or is inside it, it stands back (up to ``MAX_DEFER_S``),
+it), or up to ``quiet_poll_s`` while the owner says no peer is expected to write into us
+(``expect_traffic(False)``: a prefill rank in push mode, a decode rank with no room). While a post waits for the agent or is inside it, it stands back (up to ``MAX_DEFER_S``),
 woken when the post ends: a timed wake-up costs tens of µs of CPU on a VM. One
 lock guards every call into the agent (the agent's default sync mode takes none), taken per call.
 
@@ -309,6 +310,7 @@ class NixlDataPlane:
         backend_params: dict[str, str] | None = None,
         progress_thread: bool = False,
         idle_poll_s: float = 0.0005,
+        quiet_poll_s: float = 0.1,
         busy_poll_s: float = 0.0002,
         hot_window_s: float = 0.05,
         xfer_timeout_s: float = 60.0,
@@ -325,6 +327,8 @@ class NixlDataPlane:
         self.flush_jobs = max(1, int(flush_jobs))
         self.flush_bytes = max(1, int(flush_bytes))
         self.idle_poll_s = idle_poll_s
+        self.quiet_poll_s = quiet_poll_s
+        self._expecting = True  # a peer may write into us (expect_traffic): poll every idle_poll_s
         self.busy_poll_s = busy_poll_s
         self.hot_window_s = hot_window_s
         self.xfer_timeout_s = xfer_timeout_s
@@ -385,6 +389,15 @@ class NixlDataPlane:
     def set_batch_handler(self, batch: BatchHandler) -> None:
         """Hand each poll round's items over in one call (see ``BatchHandler``)."""
         self._batch_handler = batch
+
+    def expect_traffic(self, on: bool) -> None:
+        """The owner's hint (see ``kvfsm.transport.base``): with no peer expected to write into us
+        and nothing of ours in flight, the poller waits up to ``quiet_poll_s`` instead of
+        ``idle_poll_s`` (each timed wake-up costs CPU and takes the GIL from the engine). Turned
+        on, it wakes the poller, so that it polls often again before the first write arrives."""
+        self._expecting = bool(on)
+        if on:
+            self._wake.set()
 
     def register_memory(self, kv: Any, aux: Any, *, kv_block: int = 0, aux_block: int = 0) -> None:
         regions = {"kv": as_region(kv), "aux": as_region(aux)}
@@ -810,7 +823,7 @@ class NixlDataPlane:
                 # waits at most an eighth of the quiet so far, up to idle_poll_s)
                 interval = min(self.idle_poll_s, max(self.busy_poll_s, (now - idle_since) / 8))
             else:
-                self._wake.wait(self.idle_poll_s)
+                self._wake.wait(self.idle_poll_s if self._expecting else self.quiet_poll_s)
                 self._wake.clear()
                 continue
             # Rounds start every interval: after a long hand-over (the runtime stepping a burst

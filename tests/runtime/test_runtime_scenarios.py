@@ -493,3 +493,42 @@ def test_fence_timer_releases_pages_when_the_drain_confirmation_is_lost(monkeypa
     c.advance(2.0)
     assert not recv.pages_fenced()
     recv.clear()
+
+
+def test_a_decode_rank_expects_traffic_while_it_has_rooms_and_a_prefill_rank_never() -> None:
+    """``expect_traffic`` hints to the endpoint (push mode: prefill writes into decode's pages):
+    decode says off when created, on with its first room, off again once its last room is
+    cleared; prefill says off once and never on. Each change is said once."""
+    from kvfsm.runtime import DecodeManager, PrefillManager, RuntimeConfig
+    from kvfsm.transport.loopback import Fabric
+
+    fab = Fabric(0)
+    hints: dict[str, list[bool]] = {"p0": [], "d0": []}
+    eps = {name: fab.endpoint(name) for name in hints}
+    for name, ep in eps.items():
+        ep.expect_traffic = hints[name].append  # type: ignore[attr-defined]
+    kv = {"kv": bytearray(4 * 64), "aux": bytearray(64), "page_bytes": 64, "aux_slot_bytes": 64}
+    p = PrefillManager(0, eps["p0"], **kv, config=RuntimeConfig(workers=0))  # type: ignore[arg-type]
+    d = DecodeManager(0, eps["d0"], prefill_peers={0: "p0"}, **kv, config=RuntimeConfig(workers=0))  # type: ignore[arg-type]
+    try:
+        d.connect()
+        fab.pump()
+        assert hints == {"p0": [False], "d0": [False]}
+        rooms = [d.create_receiver(r) for r in (1, 2)]
+        senders = [p.create_sender(r) for r in (1, 2)]
+        assert hints == {"p0": [False], "d0": [False, True]}
+        for i, (s, rc) in enumerate(zip(senders, rooms, strict=True)):
+            rc.init([2 * i, 2 * i + 1], 0)
+            fab.pump()
+            s.send([2 * i, 2 * i + 1], is_last=True, aux_slot=0)
+            fab.pump()
+        assert [rc.poll() for rc in rooms] == [KVPoll.Success] * 2
+        rooms[0].clear()
+        assert hints["d0"] == [False, True], "one room is left"
+        rooms[1].clear()
+        for s in senders:
+            s.clear()
+        assert hints == {"p0": [False], "d0": [False, True, False]}
+    finally:
+        p.close()
+        d.close()

@@ -361,6 +361,33 @@ def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_f
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_a_plane_told_to_expect_no_traffic_polls_rarely_until_told_otherwise() -> None:
+    """``expect_traffic(False)``: with nothing of its own in flight the poller waits up to
+    ``quiet_poll_s`` (here a minute), so a peer's write into it is not noticed (its notification
+    not delivered); ``expect_traffic(True)`` wakes the poller, which then delivers it at once."""
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    block = 4096
+    a, b = NixlDataPlane("quiet-a"), NixlDataPlane("quiet-b", quiet_poll_s=60.0)
+    src = np.random.default_rng(7).integers(0, 256, 2 * block, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    arrived = threading.Event()
+    completions, done, on_a = _counting(1)
+    try:
+        _connect(a, b, src, dst, block, on_a, lambda item: arrived.set())
+        b.expect_traffic(False)
+        time.sleep(0.05)  # b's poller ends its current (short) wait and starts a quiet one
+        a.write(b.name, "kv", [Segment(0, 0, block)], b"quiet", ("q", 0))
+        assert not arrived.wait(0.5), "a quiet plane should not have polled within half a second"
+        b.expect_traffic(True)
+        assert arrived.wait(10), "expect_traffic(True) should wake the poller"
+        assert done.wait(20) and completions[0].ok and (dst[:block] == src[:block]).all()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_auto_lets_the_caller_post_device_and_tiny_host_writes_and_the_thread_the_rest() -> None:
     from kvfsm.transport.nixl import SMALL_HOST_BYTES, NixlDataPlane
 
