@@ -336,6 +336,14 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
+def _add_thread_cpu(threads: dict[str, float], since: dict[str, float]) -> None:
+    """--profile: add each thread's CPU seconds since ``since`` (a ``_thread_cpu()``; empty when
+    not profiling: nothing is added) to ``threads``."""
+    if since:
+        for k, v in _thread_cpu().items():
+            threads[k] = threads.get(k, 0.0) + v - since.get(k, 0.0)
+
+
 def kvfsm_initiator(
     conn: Any, src: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int, boot: str,
     apis: list[str], profile: bool,
@@ -397,8 +405,7 @@ def kvfsm_initiator(
                 cpu.append(time.thread_time() - c0)
                 _wait_all(mgr, ids, KVPoll.Success)
                 times.append(time.perf_counter() - t0)
-                for k, v in (_thread_cpu() if profile else {}).items():
-                    threads[k] = threads.get(k, 0.0) + v - cpu0.get(k, 0.0)
+                _add_thread_cpu(threads, cpu0)
                 for s in senders:
                     s.clear()
                 if not conn.recv():
@@ -495,8 +502,7 @@ def kvfsm_target(
             for r, rc in enumerate(recv):
                 rc.init(dst_pages[r], r)
             _wait_all(mgr, ids, KVPoll.Success)
-            for k, v in (_thread_cpu() if profile else {}).items():
-                threads[k] = threads.get(k, 0.0) + v - cpu0.get(k, 0.0)
+            _add_thread_cpu(threads, cpu0)
             ok = all(
                 _same_pages(dst, expected, pages_of(case, r, c, "prefill"), pages_of(case, r, c, "decode"), page)
                 for r in range(rooms)

@@ -44,8 +44,9 @@ only once we did) and hands everything to the handler. It polls every ``busy_pol
 transfers are in flight; after traffic, within ``hot_window_s``, every eighth of the quiet so far
 (from ``busy_poll_s`` up to ``idle_poll_s``); else it waits up to ``idle_poll_s`` (a post wakes
 it), or up to ``quiet_poll_s`` while the owner says no peer is expected to write into us
-(``expect_traffic(False)``: a prefill rank in push mode, a decode rank with no room). While a post waits for the agent or is inside it, it stands back (up to ``MAX_DEFER_S``),
-woken when the post ends: a timed wake-up costs tens of µs of CPU on a VM. One
+(``expect_traffic(False)``: a prefill rank in push mode, a decode rank with no room). While a
+post waits for the agent or is inside it, it stands back (up to ``MAX_DEFER_S``), woken when the
+post ends: a timed wake-up costs tens of µs of CPU on a VM. One
 lock guards every call into the agent (the agent's default sync mode takes none), taken per call.
 
 A transfer still in flight after ``xfer_timeout_s`` is cancelled and completed as failed, so no
