@@ -76,8 +76,8 @@ from kvfsm.protocol.events import (
     WriteFailed,
     WritesDrained,
 )
-from kvfsm.protocol.functions import page_summary
 from kvfsm.protocol.machine import RoomMachine
+from kvfsm.protocol.pages import page_summary
 from kvfsm.protocol.rooms import Announcement, DecodeRoom, PrefillRoom
 from kvfsm.protocol.wire import MESSAGE_CLASSES, Message
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfsm.protocol.pages import Pages
 from kvfsm.protocol.records import fast_init
 from kvfsm.protocol.wire import AuxWritten, ChunkWritten, Message
 
@@ -26,8 +27,8 @@ class PostWrite:
     room: int
     dest_rank: int
     chunk_id: int
-    src_pages: tuple[int, ...]
-    dst_pages: tuple[int, ...]
+    src_pages: Pages
+    dst_pages: Pages
     notification: ChunkWritten
     # derived: both page lists are one ascending run each, so the write is one segment
     contiguous: bool = field(default=False, compare=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from kvfsm.protocol.pages import Pages
 from kvfsm.protocol.records import fast_init
 
 Cause = Literal["local", "remote"]
@@ -17,7 +18,7 @@ Cause = Literal["local", "remote"]
 @fast_init
 @dataclass(frozen=True, slots=True)
 class ChunkReady:
-    pages: tuple[int, ...]
+    pages: Pages
     is_last: bool
     aux_slot: int | None = None
     trigger: ClassVar[str] = "chunk_ready"
@@ -27,7 +28,7 @@ class ChunkReady:
 @fast_init
 @dataclass(frozen=True, slots=True)
 class PagesAllocated:
-    pages: tuple[int, ...]
+    pages: Pages
     aux_slot: int
     trigger: ClassVar[str] = "pages_allocated"
     cause: ClassVar[Cause] = "local"
@@ -72,7 +73,7 @@ class TimerFired:
 @dataclass(frozen=True, slots=True)
 class PagesAnnounced:
     dest_rank: int
-    pages: tuple[int, ...]
+    pages: Pages
     aux_slot: int
     required_dests: int
     peer_kv_pages: int

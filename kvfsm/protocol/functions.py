@@ -24,6 +24,7 @@ from kvfsm.protocol.actions import (
     SetTimer,
 )
 from kvfsm.protocol.events import AUX_WRITE, ChunkReady
+from kvfsm.protocol.pages import Pages, page_summary
 from kvfsm.protocol.rooms import Announcement, DecodeRoom, PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, Drained, RoomFailed, RoomPages
 
@@ -71,66 +72,11 @@ def action(name: str) -> Callable[[ActionFn], ActionFn]:
     return register
 
 
-_SUMMARY: tuple[Any, tuple[int, int, bool, bool]] = ((), (0, -1, True, True))  # the last list summarised
-# The ints 0, 1, 2, ... as one tuple, grown on demand (doubling) up to _INTS_MAX: a slice of it is
-# an ascending run built without allocating an int per page (a comparison against it costs half
-# of one against tuple(range(...)), and run_of hands slices of it out as page tuples).
-_INTS: tuple[int, ...] = tuple(range(1 << 12))
-_INTS_MAX = 1 << 20  # 1M pages (~36 MB of ints at most); runs beyond it are built from range()
-
-
-def _ints(lo: int, n: int) -> tuple[int, ...]:
-    """The tuple (lo, lo + 1, ..., lo + n - 1) (``lo`` >= 0), a slice of _INTS where it fits."""
-    global _INTS
-    ints, hi = _INTS, lo + n  # (one read: another thread may replace _INTS meanwhile)
-    if hi > len(ints):
-        if hi > _INTS_MAX:
-            return tuple(range(lo, hi))
-        size = len(ints)
-        while size < hi:
-            size *= 2
-        ints = tuple(range(min(size, _INTS_MAX)))
-        if len(ints) > len(_INTS):
-            _INTS = ints
-    return ints[lo:hi]
-
-
-def run_of(lo: int, n: int) -> tuple[int, ...]:
-    """The page tuple lo, lo + 1, ..., lo + n - 1 (``lo`` >= 0), its summary already known to
-    page_summary (for a ``range`` or a checked array the engine handed over: no O(pages) check)."""
-    global _SUMMARY
-    pages = _ints(lo, n)
-    _SUMMARY = (pages, (lo, lo + n - 1, True, True) if n else (0, -1, True, True))
-    return pages
-
-
-def page_summary(pages: tuple[int, ...]) -> tuple[int, int, bool, bool]:
-    """(lowest, highest, all distinct, one ascending run) of a page list. The guards of one step
-    read it several times and it is O(pages), so the last tuple's summary is kept (by identity:
-    a tuple is immutable). One ascending run, the usual case, is recognised by a comparison in C."""
-    global _SUMMARY
-    last = _SUMMARY
-    if last[0] is pages:
-        return last[1]
-    n = len(pages)
-    if not n:
-        summary = (0, -1, True, True)
-    elif pages[-1] - pages[0] == n - 1 and tuple(pages) == (
-        _ints(pages[0], n) if pages[0] >= 0 else tuple(range(pages[0], pages[0] + n))
-    ):
-        summary = (pages[0], pages[-1], True, True)
-    else:
-        summary = (min(pages), max(pages), len(set(pages)) == n, False)
-    if type(pages) is tuple:  # immutable: safe to remember by identity
-        _SUMMARY = (pages, summary)
-    return summary
-
-
-def _distinct(pages: tuple[int, ...]) -> bool:
+def _distinct(pages: Pages) -> bool:
     return page_summary(pages)[2]
 
 
-def _within(pages: tuple[int, ...], limit: int) -> bool:
+def _within(pages: Pages, limit: int) -> bool:
     """Every page index is in [0, limit)."""
     lo, hi, _, _ = page_summary(pages)
     return not pages or (lo >= 0 and hi < limit)

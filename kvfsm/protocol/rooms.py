@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfsm.protocol.events import ChunkReady
+from kvfsm.protocol.pages import Pages
 
 
 @dataclass(frozen=True, slots=True)
 class Announcement:
     """One decode rank's room_pages, as accepted by the prefill room."""
 
-    pages: tuple[int, ...]
+    pages: Pages
     aux_slot: int
     run: bool = field(default=False, compare=False)  # derived: pages are one ascending run
 
@@ -52,7 +53,7 @@ class DecodeRoom:
     state: str = ""
     failure: str | None = None
     timers: set[str] = field(default_factory=set)
-    pages: tuple[int, ...] = ()
+    pages: Pages = ()
     aux_slot: int = -1
     # src -> chunk_id -> (page_start, num_pages, is_last)
     received: dict[int, dict[int, tuple[int, int, bool]]] = field(default_factory=dict)

@@ -20,6 +20,7 @@ from operator import attrgetter
 from typing import Any, ClassVar
 
 from kvfsm.protocol.errors import MalformedMessage, SpecError, UnsupportedVersion
+from kvfsm.protocol.pages import PageRun, Pages, as_run
 from kvfsm.protocol.records import fast_init
 
 MAX_STR = 1024
@@ -61,7 +62,7 @@ class RegisterAck:
 class RoomPages:
     room: int
     decode_rank: int
-    pages: tuple[int, ...]
+    pages: Pages
     aux_slot: int
     required_dests: int
     TYPE: ClassVar[str] = "room_pages"
@@ -149,7 +150,7 @@ def _check_u32_list(v: Any) -> Any:
     for x in v:
         if type(x) is not int or not 0 <= x < U32:
             raise ValueError("expected a list of u32")
-    return tuple(v)
+    return as_run(tuple(v))  # one long run: a PageRun, sliced per chunk at no per-page cost
 
 
 FIELD_CHECKS: dict[str, Callable[[Any], Any]] = {
@@ -224,7 +225,8 @@ class Codec:
         # Field by field (dataclasses.asdict deep-copies page lists: 0.3 ms for 256 pages).
         body: dict[str, Any] = {"v": self.version, "t": msg.TYPE}
         for fname, _ in self._checks[msg.TYPE][1]:
-            body[fname] = getattr(msg, fname)
+            value = getattr(msg, fname)
+            body[fname] = list(value) if type(value) is PageRun else value
         return json.dumps(body, separators=(",", ":")).encode()
 
     def decode(self, data: bytes) -> Message:

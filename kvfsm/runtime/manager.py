@@ -21,10 +21,13 @@ import logging
 import operator
 import threading
 import time
+from array import array
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvfsm.protocol import (
     Action,
@@ -43,8 +46,8 @@ from kvfsm.protocol import (
     TimerFired,
     UnsupportedVersion,
 )
-from kvfsm.protocol.functions import run_of
 from kvfsm.protocol.machine import RoomMachine
+from kvfsm.protocol.pages import RUN_MIN, PageRun, Pages, page_summary, run_bytes, run_of
 from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
 from kvfsm.protocol.wire import Codec, Message
 from kvfsm.runtime.telemetry import Telemetry
@@ -90,15 +93,14 @@ class RoomRuntime:
 
 
 def coalesce(
-    src_pages: Iterable[int], dst_pages: Iterable[int], page_bytes: int, *, one_run: bool = False
+    src_pages: Sequence[int], dst_pages: Sequence[int], page_bytes: int, *, one_run: bool = False
 ) -> list[Segment]:
     """Turn page pairs into as few contiguous segments as possible (one per run). ``one_run``:
     the caller already knows both lists are one ascending run each (``PostWrite.contiguous``)."""
-    src_pages, dst_pages = tuple(src_pages), tuple(dst_pages)
     n = len(src_pages)
     if n and n == len(dst_pages):
         s0, d0 = src_pages[0], dst_pages[0]
-        if one_run or (src_pages == tuple(range(s0, s0 + n)) and dst_pages == tuple(range(d0, d0 + n))):
+        if one_run or (page_summary(src_pages)[3] and page_summary(dst_pages)[3]):
             return [Segment(s0 * page_bytes, d0 * page_bytes, n * page_bytes)]  # fast path: one run
     segs: list[Segment] = []
     run_s = run_d = run_n = 0
@@ -114,12 +116,15 @@ def coalesce(
     return segs
 
 
-def as_pages(pages: Any) -> tuple[int, ...]:
-    """Page indices as a tuple of Python ints, whatever the engine holds them in: a list, tuple or
+def as_pages(pages: Any) -> Pages:
+    """Page indices as exact Python ints, whatever the engine holds them in: a list, tuple or
     range of ints, or a 1-D integer array (numpy, torch: SGLang passes ``kv_indices`` as numpy).
-    Anything else (floats, bools, nested lists, strings) raises LocalProtocolError before the
-    room changes: a numpy scalar left in a page list would otherwise fail only when the message
-    is encoded, after the room had already moved on."""
+    One ascending run of at least RUN_MIN pages becomes a PageRun (no per-page cost after this
+    check, which is done in C: a range by construction, an array vectorised, a list converted
+    to int64 in one call); anything else a tuple. Anything that is not integers (floats, bools,
+    nested lists, strings) raises LocalProtocolError before the room changes: a numpy scalar
+    left in a page list would otherwise fail only when the message is encoded, after the room
+    had already moved on."""
     if type(pages) is not list and type(pages) is not tuple:  # the usual inputs need no probing
         if type(pages) is range and pages.step == 1 and pages.start >= 0:
             return run_of(pages.start, len(pages))  # one ascending run by construction: no check
@@ -128,9 +133,13 @@ def as_pages(pages: Any) -> tuple[int, ...]:
             return run
         tolist = getattr(pages, "tolist", None)
         if tolist is not None and not isinstance(pages, list | tuple | range):
-            pages = tolist()
+            pages = tolist()  # a tensor, or an array that is not one run
         if isinstance(pages, str | bytes) or not hasattr(pages, "__iter__"):
             raise LocalProtocolError(f"page indices must be integers, not {type(pages).__name__}")
+    if (type(pages) is list or type(pages) is tuple) and len(pages) >= RUN_MIN:
+        run = _list_run(pages)
+        if run is not None:
+            return run
     t = pages if type(pages) is tuple else tuple(pages)
     if t and [*map(type, t)].count(int) != len(t):  # not all exact ints (a C loop; a set of types costs more)
         try:
@@ -140,17 +149,43 @@ def as_pages(pages: Any) -> tuple[int, ...]:
     return t
 
 
-def _array_run(pages: Any) -> tuple[int, ...] | None:
-    """A 1-D numpy integer array that is one ascending run of pages >= 0, as its page tuple
-    (checked vectorised, no int per page built), else None (the general path handles it)."""
+def _list_run(pages: list[Any] | tuple[Any, ...]) -> PageRun | None:
+    """A list or tuple that is one ascending run of pages >= 0, as a PageRun, else None (the
+    general path checks and converts it). Checked in C: ``array('q', ...)`` converts every item
+    as an integer (a float, string or None raises TypeError) and its bytes are compared with the
+    run's (``run_bytes``). The first two items must be exact ints: in an ascending run from >= 0
+    only they can equal 0 or 1, so no bool (which converts as 0 or 1) passes for a page."""
+    first, second, n = pages[0], pages[1], len(pages)
+    if type(first) is not int or type(second) is not int or first < 0 or second != first + 1:
+        return None
+    want = run_bytes(first, n)
+    if want is None:
+        return None
+    try:
+        got = array("q", pages).tobytes()
+    except (TypeError, OverflowError):
+        return None
+    return PageRun(first, n) if got == want else None
+
+
+def _array_run(pages: Any) -> Pages | None:
+    """A 1-D numpy integer array that is one ascending run of pages >= 0, as its pages
+    (checked in C against the run's bytes, no int per page built), else None (the general path
+    handles it)."""
     dtype = getattr(pages, "dtype", None)
     if getattr(dtype, "kind", None) not in ("i", "u") or getattr(pages, "ndim", None) != 1:
         return None  # not numpy (torch dtypes have no kind), or not integers
     n = len(pages)
     if not n:
-        return run_of(0, 0)
+        return ()
     lo = int(pages[0])
-    if lo < 0 or int(pages[-1]) - lo != n - 1 or (n > 1 and not bool((pages[1:] - pages[:-1] == 1).all())):
+    if lo < 0 or int(pages[-1]) - lo != n - 1:
+        return None
+    want = run_bytes(lo, n)
+    if want is None:
+        if n > 1 and not bool((pages[1:] - pages[:-1] == 1).all()):
+            return None
+    elif pages.astype(np.int64, copy=False).tobytes() != want:
         return None
     return run_of(lo, n)
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfsm.protocol import KVPoll
-from kvfsm.protocol.functions import page_summary
+from kvfsm.protocol.pages import page_summary
 from kvfsm.testing import LoopbackCluster
 
 pages_st = st.one_of(
@@ -32,7 +32,7 @@ def test_page_summary_is_min_max_distinct_and_run(pages: list[int]) -> None:
 
 @given(st.integers(0, (1 << 20) + 10), st.integers(0, 300))
 def test_run_of_is_the_run_with_its_summary_known(lo: int, n: int) -> None:
-    from kvfsm.protocol.functions import run_of
+    from kvfsm.protocol.pages import run_of
 
     pages = run_of(lo, n)
     assert pages == tuple(range(lo, lo + n)) and all(type(p) is int for p in pages)
