@@ -434,11 +434,20 @@ def kvfsm_initiator(
 
 
 def _same_pages(dst: Any, src: Any, sp: list[int], dp: list[int], page: int) -> bool:
+    """Do ``dst``'s pages ``dp`` hold ``src``'s pages ``sp``? Run by run (pages adjacent on both
+    sides), compared in place. Gathering each chunk's pages into temporaries instead (2 x 256 MiB
+    for a 256 MiB chunk, ~1 s on DRAM here) churned the target's memory: raw NIXL run right after
+    such checks (repetitions taken in turn, tried this way) moved 10-20 % less here."""
     import torch
 
-    s = torch.as_tensor(sp, device=src.device)
-    d = torch.as_tensor(dp, device=dst.device)
-    return bool(torch.equal(dst.view(-1, page)[d], src.view(-1, page)[s]))  # whole pages, gathered
+    from kvfsm.runtime.manager import coalesce
+
+    segs = coalesce(sp, dp, page)
+    if len(segs) > 64:  # scattered pages: gathered, one chunk (at most 16 MiB here) at a time
+        s = torch.as_tensor(sp, device=src.device)
+        d = torch.as_tensor(dp, device=dst.device)
+        return bool(torch.equal(dst.view(-1, page)[d], src.view(-1, page)[s]))
+    return all(torch.equal(dst[g.dst : g.dst + g.length], src[g.src : g.src + g.length]) for g in segs)
 
 
 # ------------------------------------------------------------------------------------- processes
