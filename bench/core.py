@@ -6,6 +6,8 @@
             baseline: the bare protocol steps those rooms needed (share of time in the core).
   hot_path  µs per send() of a 16-page chunk and per completion of its write, through the runtime
             with a null data plane; baseline: the bare protocol steps of the same events.
+  long_chunks  µs per send() of 1,024- and 4,096-page chunks (64 and 256 MiB of 64 KiB pages),
+            pages as a list, numpy array or range; baseline: a 16-page chunk held the same way.
   churn     create+abort+clear cost per room with 100, 1k and 10k rooms live on one manager;
             baseline: ``transitions``' shared-machine ``add_model`` at the same populations.
   bandwidth 16 MiB chunks: send() -> Success through runtime + loopback, streamed (8 chunks in
@@ -137,12 +139,16 @@ def _manager(n_pages: int, page_bytes: int, workers: int = 0) -> tuple[Fabric, P
     return fab, p, d
 
 
-def bench_hot_path(rooms: int = 16, chunks: int = 16, per_chunk: int = 16, reps: int = 10) -> dict[str, Any]:
+def bench_hot_path(
+    rooms: int = 16, chunks: int = 16, per_chunk: int = 16, reps: int = 10, held: str = "list"
+) -> dict[str, Any]:
     """The runtime's cost per chunk: ``send()`` of a ``per_chunk``-page chunk and the completion
     of its write, through PrefillManager with a null data plane (writes are recorded, nothing
     moves), ``rooms`` rooms in the engine's order (chunk by chunk across rooms); best of
-    ``reps``. Baseline: the bare protocol steps of the same events (the compiled machine only),
-    so the difference is what the runtime adds (locks, timers, actions, the write's preparation).
+    ``reps``. Pages are handed over as ``held``: a list (vLLM's block ids), a numpy int64 array
+    (SGLang's ``kv_indices``) or a range. Baseline: the bare protocol steps of the same events
+    (the compiled machine only), so the difference is what the runtime adds (locks, timers,
+    actions, the write's preparation).
     """
     from kvfsm.transport.base import Inbound
 
@@ -163,7 +169,7 @@ def bench_hot_path(rooms: int = 16, chunks: int = 16, per_chunk: int = 16, reps:
         for r, rid in enumerate(ids):
             d.create_receiver(rid).init([q for c in range(chunks) for q in pages(r, c)], 0)
         fab.pump()
-        work = [[pages(r, c) for r in range(rooms)] for c in range(chunks)]
+        work = [[_held(pages(r, c), held) for r in range(rooms)] for c in range(chunks)]
         posted.clear()
         gc.disable()
         t = time.perf_counter()
@@ -193,7 +199,7 @@ def bench_hot_path(rooms: int = 16, chunks: int = 16, per_chunk: int = 16, reps:
             proto.prefill.create(room, 0.0)
             mine = tuple(q for c in range(chunks) for q in pages(r, c))
             proto.prefill.step(room, PagesAnnounced(1, mine, 0, 1, n, 1024), 0.0)
-        events = [[ChunkReady(tuple(work[c][r]), c == chunks - 1, 0 if c == chunks - 1 else None)
+        events = [[ChunkReady(tuple(pages(r, c)), c == chunks - 1, 0 if c == chunks - 1 else None)
                    for r in range(rooms)] for c in range(chunks)]  # fmt: skip
         gc.disable()
         t = time.perf_counter()
@@ -210,11 +216,37 @@ def bench_hot_path(rooms: int = 16, chunks: int = 16, per_chunk: int = 16, reps:
         assert all(room.state == "Success" for room in bare)
     return {
         "pages_per_chunk": per_chunk,
+        "pages_held_as": held,
         "send_us": best_send * 1e6,
         "completion_us": best_done * 1e6,
         "core_send_step_us": core_send * 1e6,
         "core_completion_step_us": core_done * 1e6,
     }
+
+
+def _held(pages: list[int], held: str) -> Any:
+    if held == "numpy":
+        import numpy as np
+
+        return np.asarray(pages, dtype=np.int64)
+    return range(pages[0], pages[-1] + 1) if held == "range" else pages
+
+
+def bench_long_chunks(sizes: tuple[int, ...], reps: int) -> dict[str, Any]:
+    """``hot_path``'s send() cost for chunks of ``sizes`` pages (one ascending run each, as an
+    engine that allocates pages in order hands them over), pages held as a list, a numpy array
+    or a range. Baseline: the same for a 16-page chunk, in the same run; ``extra_us_per_1k_pages``
+    is what each 1,024 more pages add (0: the cost does not grow with the chunk)."""
+    out: dict[str, Any] = {}
+    for held in ("list", "numpy", "range"):
+        base = bench_hot_path(rooms=8, chunks=4, per_chunk=16, reps=reps, held=held)["send_us"]
+        row: dict[str, Any] = {"16": base}
+        for n in sizes:
+            us = bench_hot_path(rooms=8, chunks=4, per_chunk=n, reps=reps, held=held)["send_us"]
+            row[str(n)] = us
+            row[f"extra_us_per_1k_pages_at_{n}"] = (us - base) / (n - 16) * 1024
+        out[held] = row
+    return out
 
 
 def bench_churn(populations: list[int], batch: int = 2000) -> dict[str, Any]:
@@ -341,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         "step": bench_step(200 if q else 4000),
         "rooms": bench_rooms(200 if q else 3000),
         "hot_path": bench_hot_path(reps=3 if q else 10),
+        "long_chunks": bench_long_chunks((256,) if q else (1024, 4096), reps=2 if q else 5),
         "churn": bench_churn([100, 1000] if q else [100, 1000, 10_000], batch=200 if q else 2000),
         "bandwidth": bench_bandwidth(2 if q else 16, chunks=4 if q else 8, reps=3 if q else 7),
     }

@@ -27,6 +27,10 @@ def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
     assert {"stream", "single", "scattered"} <= set(res["bandwidth"])
     hot = res["hot_path"]  # the runtime around a step costs more than the bare step
     assert hot["send_us"] > hot["core_send_step_us"] > 0 and hot["completion_us"] > hot["core_completion_step_us"] > 0
+    long_chunks = res["long_chunks"]  # send() of long chunks, pages held three ways, against 16 pages
+    assert set(long_chunks) == {"list", "numpy", "range"}
+    for row in long_chunks.values():
+        assert row["16"] > 0 and row["256"] > 0 and "extra_us_per_1k_pages_at_256" in row
     assert set(res["goals"]) == {"step_us_le_10", "churn_10k_within_1.5x_of_100", "bandwidth_16MiB_ge_0.8x_memcpy"}
     for rooms in res["rooms"].values():
         assert rooms["rooms_per_second"] > 0

@@ -77,7 +77,6 @@ from kvfsm.protocol.events import (
     WritesDrained,
 )
 from kvfsm.protocol.machine import RoomMachine
-from kvfsm.protocol.pages import page_summary
 from kvfsm.protocol.rooms import Announcement, DecodeRoom, PrefillRoom
 from kvfsm.protocol.wire import MESSAGE_CLASSES, Message
 
@@ -149,7 +148,7 @@ def thaw_prefill(t: tuple[Any, ...], room: int, rank: int, kv_pages: int, aux_sl
     state, code, timers, dests, req, held, last_seen, next_chunk, cursor, inflight = t
     return PrefillRoom(
         room, rank, kv_pages, aux_slots, state=state, failure=code or None, timers=set(timers),
-        dests={k: Announcement(pages, aux, page_summary(pages)[3]) for k, pages, aux in dests}, required_dests=req,
+        dests={k: Announcement.of(pages, aux) for k, pages, aux in dests}, required_dests=req,
         held=[ChunkReady(pages, last, None if aux < 0 else aux) for pages, last, aux in held],
         last_seen=last_seen, next_chunk=next_chunk, cursor=cursor, inflight=set(inflight),
     )  # fmt: skip

@@ -24,7 +24,7 @@ from kvfsm.protocol.actions import (
     SetTimer,
 )
 from kvfsm.protocol.events import AUX_WRITE, ChunkReady
-from kvfsm.protocol.pages import Pages, page_summary
+from kvfsm.protocol.pages import RUN_MIN, Pages, page_summary
 from kvfsm.protocol.rooms import Announcement, DecodeRoom, PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, Drained, RoomFailed, RoomPages
 
@@ -221,7 +221,7 @@ def write_is_final(room: PrefillRoom, ev: Any) -> bool:
 
 @action("record_dest")
 def record_dest(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
-    room.dests[ev.dest_rank] = Announcement(ev.pages, ev.aux_slot, page_summary(ev.pages)[3])
+    room.dests[ev.dest_rank] = Announcement.of(ev.pages, ev.aux_slot)
     room.required_dests = ev.required_dests
 
 
@@ -238,7 +238,8 @@ def _post(room: PrefillRoom, chunk: ChunkReady, ctx: StepContext) -> None:
     for dest, ann in sorted(room.dests.items()):
         note = ChunkWritten(room.room, room.rank, chunk_id, chunk.is_last, start, n)
         run = ann.run and page_summary(chunk.pages)[3]  # both sides one ascending run: one segment
-        ctx.out.append(PostWrite(room.room, dest, chunk_id, chunk.pages, ann.pages[start : start + n], note, run))
+        dst = (ann.span if n >= RUN_MIN and ann.span is not None else ann.pages)[start : start + n]
+        ctx.out.append(PostWrite(room.room, dest, chunk_id, chunk.pages, dst, note, run))
         room.inflight.add((dest, chunk_id))
         if chunk.is_last:
             assert chunk.aux_slot is not None  # chunk_ok

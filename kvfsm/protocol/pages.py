@@ -174,12 +174,12 @@ def page_summary(pages: Sequence[int]) -> tuple[int, int, bool, bool]:
     tuple's summary is kept (by identity: a tuple is immutable). One ascending run is recognised
     by a comparison in C."""
     global _SUMMARY
-    if type(pages) is PageRun:
-        r = pages._r
-        return (r.start, r.stop - 1, True, True) if r else EMPTY_SUMMARY
     last = _SUMMARY
     if last[0] is pages:
         return last[1]
+    if type(pages) is PageRun:
+        r = pages._r
+        return (r.start, r.stop - 1, True, True) if r else EMPTY_SUMMARY
     n = len(pages)
     if not n:
         summary = EMPTY_SUMMARY
@@ -192,12 +192,14 @@ def page_summary(pages: Sequence[int]) -> tuple[int, int, bool, bool]:
     return summary
 
 
-def as_run(pages: tuple[int, ...]) -> Pages:
-    """``pages`` (exact ints, already checked) as a PageRun if it is one run of at least RUN_MIN
-    pages starting at >= 0, else unchanged."""
+def long_run(pages: Pages) -> PageRun | None:
+    """``pages`` as a PageRun if they are one ascending run of at least RUN_MIN pages from
+    page >= 0, else None."""
+    if type(pages) is PageRun:
+        return pages
     n = len(pages)
     if n >= RUN_MIN:
-        lo, hi, _, run = page_summary(pages)
+        lo, _, _, run = page_summary(pages)
         if run and lo >= 0:
             return PageRun(lo, n)
-    return pages
+    return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfsm.protocol.events import ChunkReady
-from kvfsm.protocol.pages import Pages
+from kvfsm.protocol.pages import PageRun, Pages, long_run, page_summary
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +20,14 @@ class Announcement:
     pages: Pages
     aux_slot: int
     run: bool = field(default=False, compare=False)  # derived: pages are one ascending run
+    # derived: the same pages as a PageRun when they are one long run (a long chunk's slice of it
+    # costs the same for any length; short chunks slice ``pages``, a tuple, faster still)
+    span: PageRun | None = field(default=None, compare=False)
+
+    @classmethod
+    def of(cls, pages: Pages, aux_slot: int) -> Announcement:
+        """The announcement of ``pages``, its derived fields filled in."""
+        return cls(pages, aux_slot, page_summary(pages)[3], long_run(pages))
 
 
 @dataclass(slots=True, eq=False)

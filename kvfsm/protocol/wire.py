@@ -20,7 +20,7 @@ from operator import attrgetter
 from typing import Any, ClassVar
 
 from kvfsm.protocol.errors import MalformedMessage, SpecError, UnsupportedVersion
-from kvfsm.protocol.pages import PageRun, Pages, as_run
+from kvfsm.protocol.pages import PageRun, Pages
 from kvfsm.protocol.records import fast_init
 
 MAX_STR = 1024
@@ -150,7 +150,7 @@ def _check_u32_list(v: Any) -> Any:
     for x in v:
         if type(x) is not int or not 0 <= x < U32:
             raise ValueError("expected a list of u32")
-    return as_run(tuple(v))  # one long run: a PageRun, sliced per chunk at no per-page cost
+    return tuple(v)
 
 
 FIELD_CHECKS: dict[str, Callable[[Any], Any]] = {

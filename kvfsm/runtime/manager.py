@@ -125,21 +125,26 @@ def as_pages(pages: Any) -> Pages:
     nested lists, strings) raises LocalProtocolError before the room changes: a numpy scalar
     left in a page list would otherwise fail only when the message is encoded, after the room
     had already moved on."""
-    if type(pages) is not list and type(pages) is not tuple:  # the usual inputs need no probing
+    if type(pages) is list or type(pages) is tuple:  # the usual inputs
+        if len(pages) >= RUN_MIN:
+            run = _list_run(pages)
+            if run is not None:
+                return run
+    else:
         if type(pages) is range and pages.step == 1 and pages.start >= 0:
             return run_of(pages.start, len(pages))  # one ascending run by construction: no check
-        run = _array_run(pages)
-        if run is not None:
-            return run
+        array_run = _array_run(pages)
+        if array_run is not None:
+            return array_run
         tolist = getattr(pages, "tolist", None)
         if tolist is not None and not isinstance(pages, list | tuple | range):
             pages = tolist()  # a tensor, or an array that is not one run
+            if type(pages) is list and len(pages) >= RUN_MIN:
+                run = _list_run(pages)
+                if run is not None:
+                    return run
         if isinstance(pages, str | bytes) or not hasattr(pages, "__iter__"):
             raise LocalProtocolError(f"page indices must be integers, not {type(pages).__name__}")
-    if (type(pages) is list or type(pages) is tuple) and len(pages) >= RUN_MIN:
-        run = _list_run(pages)
-        if run is not None:
-            return run
     t = pages if type(pages) is tuple else tuple(pages)
     if t and [*map(type, t)].count(int) != len(t):  # not all exact ints (a C loop; a set of types costs more)
         try:

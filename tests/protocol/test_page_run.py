@@ -148,18 +148,45 @@ def test_a_long_chunk_is_one_segment_and_lands_every_byte(kind: str) -> None:
         c.close()
 
 
-def test_a_long_announced_run_decodes_as_a_page_run_and_encodes_as_a_list() -> None:
+def test_a_page_run_encodes_as_a_list_and_decodes_as_the_same_pages() -> None:
     from kvfsm.protocol import Protocol
 
     codec = Protocol().codec
     msg = RoomPages(7, 1, PageRun(100, 5000), 3, 1)
-    data = codec.encode(msg)
-    back = codec.decode(data)
-    assert back == msg and type(back.pages) is PageRun  # type: ignore[attr-defined]
-    short = codec.decode(codec.encode(RoomPages(7, 1, (4, 5, 6), 3, 1)))
-    assert type(short.pages) is tuple  # type: ignore[attr-defined]
-    scattered = tuple(range(5000, 100, -1))
-    assert codec.decode(codec.encode(RoomPages(7, 1, scattered, 3, 1))).pages == scattered  # type: ignore[attr-defined]
+    back = codec.decode(codec.encode(msg))
+    assert back == msg and back.pages == tuple(range(100, 5100))  # type: ignore[attr-defined]
+
+
+def test_long_chunks_slice_a_long_announcement_as_a_run_and_short_ones_as_a_tuple() -> None:
+    """The prefill room keeps a long announced run both ways: a long chunk's destination pages
+    are a PageRun slice (no per-page cost), a short chunk's a tuple slice (cheapest for few)."""
+    from kvfsm.protocol import Protocol
+    from kvfsm.protocol.actions import PostWrite
+    from kvfsm.protocol.events import ChunkReady, PagesAnnounced
+    from kvfsm.protocol.rooms import PrefillRoom
+
+    proto = Protocol()
+    n = 4 * RUN_MIN
+    room = PrefillRoom(1, 0, 10 * n, 4)
+    proto.prefill.create(room, 0.0)
+    proto.prefill.step(room, PagesAnnounced(2, tuple(range(n, 3 * n)), 0, 1, 10 * n, 4), 0.0)
+    assert room.dests[2].span == tuple(range(n, 3 * n)) and type(room.dests[2].span) is PageRun
+    writes = []
+    for pages, last in ((as_pages(list(range(8))), False), (as_pages(list(range(8, 2 * n))), True)):
+        out = proto.prefill.step(room, ChunkReady(pages, last, 0 if last else None), 1.0)
+        writes += [a for a in out if isinstance(a, PostWrite)]
+    short, long_ = writes
+    assert type(short.dst_pages) is tuple and short.dst_pages == tuple(range(n, n + 8)) and short.contiguous
+    assert type(long_.dst_pages) is PageRun and long_.dst_pages == tuple(range(n + 8, 3 * n)) and long_.contiguous
+    # an announcement that is not one run has no span, and posts tuple slices
+    scattered = tuple(range(3 * n, n, -1))
+    other = PrefillRoom(2, 0, 10 * n, 4)
+    proto.prefill.create(other, 0.0)
+    proto.prefill.step(other, PagesAnnounced(2, scattered, 0, 1, 10 * n, 4), 0.0)
+    assert other.dests[2].span is None
+    out = proto.prefill.step(other, ChunkReady(as_pages(list(range(2 * n))), True, 0), 1.0)
+    (w,) = [a for a in out if isinstance(a, PostWrite)]
+    assert w.dst_pages == scattered and not w.contiguous
 
 
 def test_runs_past_the_run_template_are_still_recognised_or_fall_back_correctly() -> None:
