@@ -62,6 +62,7 @@ class PrefillManager(Manager):
         self._early_order: deque[tuple[float, int]] = deque()
         self._batch: list[Write] | None = None  # writes of a send_many(), handed over together
         self._batch_bytes = self._batch_segments = 0  # ... and their bytes and segments
+        self._batch_aux: list[Write] = []  # ... its aux writes: handed over at its end, together
 
     def create_sender(self, room: int) -> KVSender:
         """Create room ``room`` on this rank. Messages that arrived for it earlier are applied now."""
@@ -88,7 +89,8 @@ class PrefillManager(Manager):
         the NIXL data plane posts them at once, folded into as few transfers as its limits
         allow, instead of one at a time): at the end, and whenever ``RuntimeConfig.batch_bytes``
         or ``batch_segments`` are pending (large chunks, and scattered ones, which cost the most
-        to post, start moving while the rest of the batch is stepped)."""
+        to post, start moving while the rest of the batch is stepped). Aux writes always go at
+        the end, together."""
         with self._lock:
             outer = self._batch
             if outer is None:
@@ -100,7 +102,8 @@ class PrefillManager(Manager):
             finally:
                 if outer is None:
                     batch, self._batch = self._batch, None
-                    self._hand_batch(batch or [])
+                    aux, self._batch_aux = self._batch_aux, []
+                    self._hand_batch([*(batch or []), *aux])
 
     def _chunk_item(self, item: Sequence[Any]) -> tuple[int, ChunkReady]:
         """One send_many() item as (room id, ChunkReady); LocalProtocolError if malformed."""
@@ -284,6 +287,11 @@ class PrefillManager(Manager):
         self.telemetry.count("descriptors", len(segments))
         peer = self._peer_names.get(action.dest_rank)  # the route as it is now, when posted
         if self._batch is not None:  # send_many: handed over with the batch's other writes
+            if region == "aux":
+                # at the batch's end, all together: handed over with a large chunk's KV instead,
+                # each would go as a transfer of its own where the KV is in VRAM and aux in DRAM
+                self._batch_aux.append((peer, region, segments, note, tag))  # type: ignore[arg-type]
+                return
             self._batch.append((peer, region, segments, note, tag))  # type: ignore[arg-type]
             self._batch_bytes += moved
             self._batch_segments += len(segments)
