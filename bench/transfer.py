@@ -21,13 +21,17 @@ with nothing else running, then kvfsm for every case:
          ``send_many()`` with every room's next chunk at once, as an engine has them after a
          forward step (fields ``kvfsm_many_*``, ratio ``ratio_many``).
 
+Before every repetition, raw NIXL's and kvfsm's alike, the target zeroes the part of its buffer
+that the repetition writes (so that decode's byte check sees only that repetition's bytes) and,
+on a GPU, waits for the zeroing.
+
 Page indices are handed over as Python lists (``--pages list``, the default; vLLM holds block
 ids so) or numpy int64 arrays (``--pages numpy``; SGLang holds ``kv_indices`` so), built before
 the clock starts.
 
 Layouts: ``contig`` (a chunk is adjacent 64 KiB pages on both sides: one descriptor per chunk)
 and ``scattered`` (4 KiB pages, destination pages in reverse order: one descriptor per page).
-Figures are GB/s (1e9 bytes moved once per second), the median of ``--reps`` (5) repetitions
+Figures are GB/s (1e9 bytes moved once per second), the median of ``--reps`` (9) repetitions
 (each repetition's seconds are in ``raw_reps_seconds`` / ``kvfsm_reps_seconds``); ratio = kvfsm /
 raw. ``*_post_seconds`` is the time spent inside NIXL's post over all
 repetitions (on CPU memory UCX copies the bytes there); ``kvfsm_send_seconds`` the median time
@@ -105,12 +109,37 @@ def _held(case: dict[str, Any], pages: list[int]) -> Any:
 def _buffer(nbytes: int, device: str, seed: int | None) -> Any:
     import torch
 
+    # torch's CPU ops (the buffers' set-up, decode's zeroing and byte check) on one thread: its
+    # intra-op pool's threads keep spinning for a while after an op, beside the timed copies
+    torch.set_num_threads(1)
+
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     if seed is None:
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).to(device)
+
+
+def _extent(case: dict[str, Any]) -> int:
+    """The bytes of the target's buffer that a repetition of ``case`` writes: its first ones."""
+    rooms, chunks = case["plan"]
+    return case["size"] * rooms * chunks
+
+
+def _clear(dst: Any, nbytes: int) -> None:
+    """Zero the first ``nbytes`` of the target's buffer (what a repetition writes) before a
+    repetition, and wait for it on a GPU (the zeroing is asynchronous there: it must not run
+    into the repetition's copies). Raw NIXL and kvfsm both get it before every repetition, so
+    that both copy into memory in the same state (decode's byte check needs it before kvfsm's).
+    Zeroing with torch's intra-op threads, which keep spinning after the op, slowed the next
+    copies: raw NIXL's 16 MiB repetitions took 55 ms after such a zeroing and 48 ms without
+    (hence one torch thread, see ``_buffer``); on one thread, within noise of not zeroing."""
+    dst[:nbytes].zero_()
+    if dst.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(dst.device)
 
 
 # ------------------------------------------------------------------------------------- raw NIXL
@@ -174,7 +203,7 @@ def raw_initiator(conn: Any, src: Any, params: dict[str, str], all_cases: list[d
         times = []
         post = 0.0
         for _ in range(reps + 1):  # the first repetition warms up
-            conn.send("go")
+            conn.send(("go", _extent(case)))
             conn.recv()
             t0 = time.perf_counter()
             for kind, a, b in descs:
@@ -210,8 +239,9 @@ def raw_target(conn: Any, dst: Any, params: dict[str, str], all_cases: list[dict
             msg = conn.recv()
             if msg == "done":
                 return
-            if msg == "go":
+            if isinstance(msg, tuple):  # ("go", bytes the repetition writes)
                 got = 0
+                _clear(dst, msg[1])  # as before each of kvfsm's repetitions
                 conn.send("ready")
             else:  # the initiator finished posting `msg` transfers: wait for their notifications
                 while got < msg:
@@ -466,7 +496,7 @@ def _target(conn: Any, nbytes: int, device: str, params: dict[str, str], all_cas
     dst = _buffer(nbytes, device, None)
     raw_target(conn, dst, params, all_cases, reps)
     expected = _buffer(nbytes, device, 7)
-    dst.zero_()
+    _clear(dst, nbytes)
     kvfsm_target(conn, dst, expected, params, [c for c in all_cases for _ in apis], reps, boot, profile)
 
 
@@ -519,7 +549,7 @@ def kvfsm_target(
             )
             for rc in recv:
                 rc.clear()
-            dst.zero_()
+            _clear(dst, _extent(case))  # the next repetition's check sees only its own bytes
             conn.send(ok)
         if profile:
             conn.send(threads)
@@ -611,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--out", default="bench/results/transfer.json")
     ap.add_argument("--quick", action="store_true", help="a few small sizes (tests)")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9, help="repetitions per case (after one warm-up); the median counts")
     ap.add_argument("--budget-mib", type=int, default=256, help="bytes per case, roughly")
     ap.add_argument("--device", default="cpu", help="initiator's buffer: cpu (DRAM) or cuda[:N] (VRAM)")
     ap.add_argument("--target-device", default=None, help="target's buffer (default: the same as --device)")
