@@ -2,9 +2,14 @@
 
 Deadlines are on the manager's clock. Set, cancel and re-arm are O(log n) / O(1): armed timers
 are indexed by room (so forgetting a room costs its own timers, not every live room's), and heap
-entries are deleted lazily (an entry fires only if it is still the armed generation). The heap is
-compacted when stale entries dominate, so re-arming an inactivity timer on every chunk does not
-grow memory without bound.
+entries are deleted lazily (an entry fires only if it is still the armed generation).
+
+Re-arming later is lazy: an inactivity timer is re-armed on every chunk and every completion,
+always a little later than before, so ``set`` then only records the new deadline, and the heap
+entry, which comes due first, is pushed again at the recorded deadline when it reaches the top
+(once per timeout period, not once per chunk). Every query (``next_deadline``, ``pop_due``,
+``pop_next_due``) sees the recorded deadlines only. Re-arming earlier pushes a new entry at
+once. The heap is compacted when stale entries (cancelled, or re-armed earlier) dominate.
 """
 
 from __future__ import annotations
@@ -15,25 +20,26 @@ import heapq
 class TimerWheel:
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, int, str]] = []
-        self._armed: dict[int, dict[str, int]] = {}  # room -> timer -> generation
+        # room -> timer -> [generation, deadline of its heap entry, deadline armed]
+        self._armed: dict[int, dict[str, list[float]]] = {}
         self._count = 0
         self._seq = 0
 
     def __len__(self) -> int:
         return self._count
 
-    def _is_armed(self, room: int, timer: str, seq: int) -> bool:
-        timers = self._armed.get(room)
-        return timers is not None and timers.get(timer) == seq
-
     def set(self, room: int, timer: str, deadline: float) -> None:
-        seq = self._seq = self._seq + 1
         timers = self._armed.get(room)
         if timers is None:  # not setdefault: a room re-arms on every chunk, a new dict each time
             timers = self._armed[room] = {}
-        if timer not in timers:
+        entry = timers.get(timer)
+        if entry is not None and entry[1] <= deadline:
+            entry[2] = deadline  # later: the heap entry comes due first and is pushed again then
+            return
+        if entry is None:
             self._count += 1
-        timers[timer] = seq
+        seq = self._seq = self._seq + 1
+        timers[timer] = [seq, deadline, deadline]
         heapq.heappush(self._heap, (deadline, seq, room, timer))
         if len(self._heap) > 1024 and len(self._heap) > 4 * self._count:
             self._compact()
@@ -53,34 +59,49 @@ class TimerWheel:
         if timers:
             self._count -= len(timers)
 
-    def next_deadline(self) -> float | None:
-        while self._heap:
-            deadline, seq, room, timer = self._heap[0]
-            if self._is_armed(room, timer, seq):
-                return deadline
-            heapq.heappop(self._heap)
+    def _top(self) -> tuple[float, int, str] | None:
+        """The heap's top as (deadline, room, timer), every stale entry above it dropped and every
+        entry re-armed later pushed again at its recorded deadline; None if nothing is armed."""
+        heap = self._heap
+        while heap:
+            deadline, seq, room, timer = heap[0]
+            timers = self._armed.get(room)
+            entry = timers.get(timer) if timers is not None else None
+            if entry is None or entry[0] != seq:
+                heapq.heappop(heap)  # cancelled, or re-armed earlier (a newer entry exists)
+            elif entry[2] > deadline:
+                entry[1] = entry[2]  # re-armed later meanwhile: move the entry there
+                heapq.heapreplace(heap, (entry[2], seq, room, timer))
+            else:
+                return deadline, room, timer
         return None
+
+    def next_deadline(self) -> float | None:
+        top = self._top()
+        return None if top is None else top[0]
 
     def pop_next_due(self, now: float) -> tuple[int, str] | None:
         """Disarm and return the earliest (room, timer) due at ``now``, or None. Pop one at a time
         and step it before popping the next: stepping one may cancel another that is also due."""
-        while self._heap and self._heap[0][0] <= now:
-            _, seq, room, timer = heapq.heappop(self._heap)
-            if self._is_armed(room, timer, seq):
-                self.cancel(room, timer)
-                return room, timer
-        return None
+        top = self._top()
+        if top is None or top[0] > now:
+            return None
+        heapq.heappop(self._heap)
+        self.cancel(top[1], top[2])
+        return top[1], top[2]
 
     def pop_due(self, now: float) -> list[tuple[int, str]]:
         """Disarm and return every (room, timer) whose deadline is <= now, in deadline order."""
         due = []
-        while self._heap and self._heap[0][0] <= now:
-            _, seq, room, timer = heapq.heappop(self._heap)
-            if self._is_armed(room, timer, seq):
-                self.cancel(room, timer)
-                due.append((room, timer))
+        while (nxt := self.pop_next_due(now)) is not None:
+            due.append(nxt)
         return due
 
     def _compact(self) -> None:
-        self._heap = [e for e in self._heap if self._is_armed(e[2], e[3], e[1])]
+        def live(e: tuple[float, int, int, str]) -> bool:
+            timers = self._armed.get(e[2])
+            entry = timers.get(e[3]) if timers is not None else None
+            return entry is not None and entry[0] == e[1]
+
+        self._heap = [e for e in self._heap if live(e)]
         heapq.heapify(self._heap)

@@ -48,3 +48,33 @@ def test_stepping_one_due_timer_can_cancel_another_due_in_the_same_tick() -> Non
     assert first is not None
     w.cancel_room(7)  # the step of the first timer failed the room: cancel_timers
     assert w.pop_next_due(10.0) is None
+
+
+def test_rearming_later_pushes_nothing_and_fires_at_the_latest_deadline() -> None:
+    w = TimerWheel()
+    w.set(1, "t", 1.0)
+    for i in range(2, 1000):
+        w.set(1, "t", float(i))  # an inactivity timer re-armed on every chunk, later each time
+    assert len(w._heap) == 1  # recorded, not pushed
+    assert w.next_deadline() == 999.0  # every query sees the deadline armed last
+    assert w.pop_due(998.5) == [] and len(w) == 1
+    assert w.pop_next_due(999.0) == (1, "t") and len(w) == 0 and w.next_deadline() is None
+
+
+def test_rearming_earlier_after_later_fires_at_the_earlier_deadline() -> None:
+    w = TimerWheel()
+    w.set(1, "t", 5.0)
+    w.set(1, "t", 9.0)  # later: recorded
+    w.set(1, "t", 2.0)  # earlier than the heap entry: a new entry, the old one stale
+    w.set(2, "u", 3.0)
+    assert w.next_deadline() == 2.0
+    assert w.pop_due(4.0) == [(1, "t"), (2, "u")]
+    assert w.pop_due(100.0) == [] and len(w) == 0
+
+
+def test_order_across_rooms_follows_the_recorded_deadlines() -> None:
+    w = TimerWheel()
+    w.set(1, "t", 1.0)
+    w.set(2, "t", 2.0)
+    w.set(1, "t", 3.0)  # room 1 re-armed past room 2
+    assert w.pop_due(10.0) == [(2, "t"), (1, "t")]
