@@ -78,3 +78,11 @@ def test_order_across_rooms_follows_the_recorded_deadlines() -> None:
     w.set(2, "t", 2.0)
     w.set(1, "t", 3.0)  # room 1 re-armed past room 2
     assert w.pop_due(10.0) == [(2, "t"), (1, "t")]
+
+
+def test_stale_entries_of_earlier_rearms_are_compacted() -> None:
+    w = TimerWheel()
+    for i in range(5000):
+        w.set(1, "t", float(5000 - i))  # re-armed earlier each time: a new heap entry each time
+    assert len(w) == 1 and len(w._heap) <= 4 * 1024
+    assert w.next_deadline() == 1.0 and w.pop_due(1.0) == [(1, "t")] and w.next_deadline() is None
