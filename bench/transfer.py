@@ -8,9 +8,12 @@ with nothing else running, then kvfsm for every case:
   raw    one NIXL agent per process (UCX, no progress thread, as the kvfsm data plane sets it
          up), metadata exchanged over a pipe. Before the clock starts, each chunk's descriptors
          are built exactly as kvfsm's data plane would post them (one byte range per contiguous
-         run, or block indices into page-granular lists prepared once for scattered pages);
-         timed per chunk: make the transfer, post it with a notification, poll until DONE,
-         release. The target polls notifications meanwhile.
+         run, or block indices into page-granular lists prepared once for scattered pages), and
+         each room's aux slot (64 B of host memory) goes with its last chunk as kvfsm writes it:
+         in the chunk's transfer where both are byte ranges of host memory, else as a transfer
+         of its own (``raw_transfers``, ``raw_descriptors_per_chunk``); timed per transfer: make
+         it, post it with a notification, poll until DONE, release. The target polls
+         notifications meanwhile.
   kvfsm  the full stack: PrefillManager / DecodeManager over ZMQ control + NIXL data planes
          (one manager pair per page size), rooms announced by decode first, no runtime
          transfer workers; timed from the first chunk handed over (page lists built
@@ -66,7 +69,8 @@ import numpy as np
 
 PAGE = 4096  # scattered layouts: one descriptor per 4 KiB page
 CONTIG_PAGE = 64 << 10  # contiguous layouts: a KV page of 64 KiB (e.g. 64 tokens x 8 heads x 128 x bf16)
-AUX = 64
+AUX = 64  # bytes of a room's aux slot (host memory at both ends)
+HOST = ("DRAM", "DRAM")
 MiB = 1 << 20
 SIZES = [4 << 10, 64 << 10, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 QUICK_SIZES = [64 << 10, 1 * MiB, 4 * MiB]
@@ -164,10 +168,18 @@ def _placement(buf: Any) -> tuple[str, int]:
     return ("VRAM", buf.device.index or 0) if buf.is_cuda else ("DRAM", 0)
 
 
-def raw_descriptors(agent: Any, src: Any, dst: tuple[int, str, int], case: dict[str, Any]) -> list[Any]:
-    """Per chunk, the descriptors kvfsm's data plane would post for its pages (made before the
-    clock starts: a hand-written NIXL user prepares what it can): block indices into the prepared
-    page lists for many short runs, else descriptor lists of the exact byte ranges."""
+def raw_descriptors(
+    agent: Any, src: Any, dst: tuple[int, str, int], case: dict[str, Any], aux: tuple[int, int]
+) -> list[tuple[str, Any, Any, int]]:
+    """The transfers raw NIXL posts, in order, with the descriptors kvfsm's data plane would post
+    for the same writes (made before the clock starts: a hand-written NIXL user prepares what it
+    can): per chunk, block indices into the prepared page lists for many short runs, else
+    descriptor lists of the exact byte ranges; and with each room's last chunk its aux slot
+    (``AUX`` bytes of host memory at both ends, slot = the room's index, as kvfsm writes it), in
+    the chunk's own transfer where the chunk is byte ranges of host memory too (kvfsm's data
+    plane folds the two writes there: the same memory kinds and kind of descriptor), else as a
+    transfer of its own. ``aux``: the initiator's and the target's aux buffer addresses. Each item
+    is (kind, local, remote, descriptors)."""
     from kvfsm.runtime.manager import coalesce
     from kvfsm.transport.nixl import use_prepped
 
@@ -175,38 +187,53 @@ def raw_descriptors(agent: Any, src: Any, dst: tuple[int, str, int], case: dict[
     page = case["page"]
     mem, dev = _placement(src)
     dst_addr, dst_mem, dst_dev = dst
-    out = []
+    out: list[tuple[str, Any, Any, int]] = []
+
+    def ranges(lrows: list[tuple[int, int, int]], rrows: list[tuple[int, int, int]], mems: tuple[str, str]) -> None:
+        out.append(("ranges", agent.get_xfer_descs(lrows, mems[0]), agent.get_xfer_descs(rrows, mems[1]), len(lrows)))
+
     for r in range(rooms):
+        aux_l, aux_r = [(aux[0] + r * AUX, AUX, 0)], [(aux[1] + r * AUX, AUX, 0)]
         for c in range(chunks):
+            last = c == chunks - 1
             sp, dp = pages_of(case, r, c, "prefill"), pages_of(case, r, c, "decode")
             segs = coalesce(sp, dp, page)
             if page == PAGE and use_prepped(len(segs), len(sp)):
-                out.append(("prepped", np.asarray(sp, dtype=np.int32), np.asarray(dp, dtype=np.int32)))
-            else:
-                ld = agent.get_xfer_descs([(src.data_ptr() + s.src, s.length, dev) for s in segs], mem)
-                rd = agent.get_xfer_descs([(dst_addr + s.dst, s.length, dst_dev) for s in segs], dst_mem)
-                out.append(("ranges", ld, rd))
+                out.append(("prepped", np.asarray(sp, dtype=np.int32), np.asarray(dp, dtype=np.int32), len(sp)))
+                if last:
+                    ranges(aux_l, aux_r, HOST)
+                continue
+            lrows = [(src.data_ptr() + s.src, s.length, dev) for s in segs]
+            rrows = [(dst_addr + s.dst, s.length, dst_dev) for s in segs]
+            if last and (mem, dst_mem) == HOST:
+                ranges(lrows + aux_l, rrows + aux_r, HOST)  # folded into the chunk's transfer
+                continue
+            ranges(lrows, rrows, (mem, dst_mem))
+            if last:
+                ranges(aux_l, aux_r, HOST)
     return out
 
 
 def raw_initiator(conn: Any, src: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int) -> None:
     agent = _raw_agent("raw-p", params)
     agent.register_memory(src)
+    aux = _buffer(16 * AUX, "cpu", 1)  # as kvfsm's prefill side has it
+    agent.register_memory(aux)
     conn.send(agent.get_agent_metadata())
-    md, dst = conn.recv()
+    md, dst, dst_aux = conn.recv()
     agent.add_remote_agent(md)
     lp = _prep(agent, "NIXL_INIT_AGENT", src.data_ptr(), src.numel(), *_placement(src))
     rp = _prep(agent, "raw-d", dst[0], src.numel(), dst[1], dst[2])
     for case in all_cases:
         rooms, chunks = case["plan"]
-        descs = raw_descriptors(agent, src, dst, case)
+        descs = raw_descriptors(agent, src, dst, case, (aux.data_ptr(), dst_aux))
         times = []
         post = 0.0
         for _ in range(reps + 1):  # the first repetition warms up
             conn.send(("go", _extent(case)))
             conn.recv()
             t0 = time.perf_counter()
-            for kind, a, b in descs:
+            for kind, a, b, _ in descs:
                 if kind == "prepped":
                     h = agent.make_prepped_xfer("WRITE", lp, a, rp, b, b"raw")
                 else:
@@ -218,21 +245,25 @@ def raw_initiator(conn: Any, src: Any, params: dict[str, str], all_cases: list[d
                     pass
                 agent.release_xfer_handle(h)
             times.append(time.perf_counter() - t0)
-            conn.send(rooms * chunks)
-            if conn.recv() != rooms * chunks:
+            conn.send(len(descs))  # one notification per transfer
+            if conn.recv() != len(descs):
                 raise RuntimeError("raw NIXL: the target counted a different number of notifications")
         case["raw_reps_seconds"] = times[1:]  # every measured repetition (the spread within a run)
         case["raw_seconds"] = statistics.median(times[1:])
         case["raw_post_seconds"] = post  # inside NIXL's post, over every repetition
+        case["raw_transfers"] = len(descs)  # per repetition (kvfsm_transfers: over all of them)
+        case["raw_descriptors_per_chunk"] = sum(d[3] for d in descs) / (rooms * chunks)
     conn.send("done")
 
 
 def raw_target(conn: Any, dst: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int) -> None:
     agent = _raw_agent("raw-d", params)
     agent.register_memory(dst)
+    aux = _buffer(16 * AUX, "cpu", None)  # as kvfsm's decode side has it
+    agent.register_memory(aux)
     md = conn.recv()
     agent.add_remote_agent(md)
-    conn.send((agent.get_agent_metadata(), (dst.data_ptr(), *_placement(dst))))
+    conn.send((agent.get_agent_metadata(), (dst.data_ptr(), *_placement(dst)), aux.data_ptr()))
     got = 0
     while True:
         if conn.poll():

@@ -71,6 +71,12 @@ def test_transfer_bench_quick_run_writes_json(tmp_path: Path) -> None:
             # aux write of each room's last chunk), one per page when scattered
             per_chunk = c["descriptors_per_transfer"]
             assert per_chunk <= c[f"{pre}_descriptors_per_chunk"] <= per_chunk + 1
+            # raw NIXL posts the same descriptors, the aux slots included
+            assert c["raw_descriptors_per_chunk"] == c[f"{pre}_descriptors_per_chunk"]
+        rooms, chunks = c["plan"]
+        # host memory: each room's aux slot rides in its last chunk's transfer; scattered chunks
+        # (block indices) cannot share one with it
+        assert c["raw_transfers"] == rooms * chunks + (rooms if c["layout"] == "scattered" else 0)
     goal = res["goal"]
     assert set(goal) == {"kvfsm_ge_0.9x_raw_for_chunks_ge_1MiB", "worst_ratio_ge_1MiB"}
     assert set(goal["worst_ratio_ge_1MiB"]) == {"send", "send_many"}
