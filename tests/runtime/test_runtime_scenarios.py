@@ -182,6 +182,29 @@ def test_prefill_transfer_timeout_when_a_write_never_completes(monkeypatch: pyte
     assert recv.poll() == KVPoll.Failed  # told at once, not after its own 300 s
 
 
+def test_progress_re_arms_the_transfer_timers_and_they_fire_after_the_last_progress() -> None:
+    # Every chunk (and every completion, every arrival) re-arms the inactivity timers a little
+    # later: the rooms live on past the first deadlines, and time out only 2 s after the last.
+    c = LoopbackCluster(timeouts={"transfer": 2.0})
+    recv = c.decode[0].create_receiver(6)
+    recv.init([10, 11, 12], 0)  # decode's transfer timer: armed, due at 2.0
+    c.settle()
+    sender = c.prefill[0].create_sender(6)
+    c.advance(1.5)
+    sender.send([1])  # at 1.5: both sides' timers re-armed to 3.5
+    c.settle()
+    c.advance(1.5)  # 3.0: past the first deadlines, not past the re-armed ones
+    assert sender.poll() == KVPoll.Transferring and recv.poll() == KVPoll.Transferring
+    sender.send([2])  # at 3.0: due at 5.0
+    c.settle()
+    c.advance(1.9)  # 4.9
+    assert sender.poll() == KVPoll.Transferring and recv.poll() == KVPoll.Transferring
+    assert c.decode[0].next_deadline() == pytest.approx(c.clock() + 0.1)  # the deadline re-armed last
+    c.advance(0.2)  # 5.1: no progress for 2 s
+    assert sender.poll() == KVPoll.Failed and recv.poll() == KVPoll.Failed
+    assert "transfer" in sender.failure_exception().reason + recv.failure_exception().reason
+
+
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_abort_from_either_side_fails_both(cluster: LoopbackCluster, side: str) -> None:
     recv = cluster.decode[0].create_receiver(11)
