@@ -557,6 +557,12 @@ class NixlDataPlane:
         remote = p.regions[region]
         if local is None:
             raise TransportError(f"{op.lower()} {self.name}->{peer}: no local {region} region registered")
+        if op == "WRITE" and len(segments) == 1:  # the usual write: one run, in bounds
+            s = segments[0]
+            n = s.length
+            if n > 0 and 0 <= s.src <= local.nbytes - n and 0 <= s.dst <= remote.nbytes - n:
+                lrow, rrow = (local.addr + s.src, n, local.device), (remote.addr + s.dst, n, remote.device)
+                return _Job(op, peer, note, tag, n, (local.mem, remote.mem), [lrow], [rrow])
         # src is always the side the bytes come from: local for WRITE, remote for READ.
         src_len, dst_len = (local.nbytes, remote.nbytes) if op == "WRITE" else (remote.nbytes, local.nbytes)
         try:

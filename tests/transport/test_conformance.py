@@ -205,15 +205,17 @@ def test_empty_write_still_notifies_and_completes(data_net: DataNet) -> None:
         Segment(0, KV_BYTES - 10, 11),  # past the end of the peer's region
         Segment(KV_BYTES, 0, 1),  # past the end of ours
         Segment(-1, 0, 4),
+        Segment(0, -1, 4),
         Segment(0, 0, -4),
     ],
-    ids=["remote-overflow", "local-overflow", "negative-offset", "negative-length"],
+    ids=["remote-overflow", "local-overflow", "negative-offset", "negative-remote-offset", "negative-length"],
 )
-def test_out_of_bounds_is_refused_before_any_byte_moves(data_net: DataNet, bad: Segment) -> None:
+@pytest.mark.parametrize("alone", [False, True], ids=["after-a-good-one", "alone"])
+def test_out_of_bounds_is_refused_before_any_byte_moves(data_net: DataNet, bad: Segment, alone: bool) -> None:
     before = data_net.kv["b"].copy()
     good = Segment(0, 0, KV_BLOCK)
-    with pytest.raises(TransportError):
-        data_net.planes["a"].write("b", "kv", [good, bad], b"x", "t")
+    with pytest.raises(TransportError, match="outside registered"):
+        data_net.planes["a"].write("b", "kv", [bad] if alone else [good, bad], b"x", "t")
     time.sleep(0.02)
     data_net.settle()
     assert (data_net.kv["b"] == before).all()
