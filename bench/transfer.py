@@ -70,7 +70,6 @@ import numpy as np
 PAGE = 4096  # scattered layouts: one descriptor per 4 KiB page
 CONTIG_PAGE = 64 << 10  # contiguous layouts: a KV page of 64 KiB (e.g. 64 tokens x 8 heads x 128 x bf16)
 AUX = 64  # bytes of a room's aux slot (host memory at both ends)
-HOST = ("DRAM", "DRAM")
 MiB = 1 << 20
 SIZES = [4 << 10, 64 << 10, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 QUICK_SIZES = [64 << 10, 1 * MiB, 4 * MiB]
@@ -181,6 +180,7 @@ def raw_descriptors(
     transfer of its own. ``aux``: the initiator's and the target's aux buffer addresses. Each item
     is (kind, local, remote, descriptors)."""
     from kvfsm.runtime.manager import coalesce
+    from kvfsm.transport.nixl import HOST_TO_HOST as HOST
     from kvfsm.transport.nixl import use_prepped
 
     rooms, chunks = case["plan"]

@@ -59,15 +59,20 @@ class TimerWheel:
         if timers:
             self._count -= len(timers)
 
+    def _live(self, seq: int, room: int, timer: str) -> list[float] | None:
+        """The armed entry of (room, timer) if the heap entry ``seq`` is still its generation."""
+        timers = self._armed.get(room)
+        entry = timers.get(timer) if timers is not None else None
+        return entry if entry is not None and entry[0] == seq else None
+
     def _top(self) -> tuple[float, int, str] | None:
         """The heap's top as (deadline, room, timer), every stale entry above it dropped and every
         entry re-armed later pushed again at its recorded deadline; None if nothing is armed."""
         heap = self._heap
         while heap:
             deadline, seq, room, timer = heap[0]
-            timers = self._armed.get(room)
-            entry = timers.get(timer) if timers is not None else None
-            if entry is None or entry[0] != seq:
+            entry = self._live(seq, room, timer)
+            if entry is None:
                 heapq.heappop(heap)  # cancelled, or re-armed earlier (a newer entry exists)
             elif entry[2] > deadline:
                 entry[1] = entry[2]  # re-armed later meanwhile: move the entry there
@@ -98,10 +103,5 @@ class TimerWheel:
         return due
 
     def _compact(self) -> None:
-        def live(e: tuple[float, int, int, str]) -> bool:
-            timers = self._armed.get(e[2])
-            entry = timers.get(e[3]) if timers is not None else None
-            return entry is not None and entry[0] == e[1]
-
-        self._heap = [e for e in self._heap if live(e)]
+        self._heap = [e for e in self._heap if self._live(e[1], e[2], e[3]) is not None]
         heapq.heapify(self._heap)
