@@ -333,8 +333,9 @@ TIMED_CALLS = ("transfer", "initialize_xfer", "make_prepped_xfer", "get_xfer_des
 
 
 class _TimedAgent:
-    """``--profile``: wraps a NIXL agent, and counts calls and wall seconds per (thread, method)
-    (the wall time includes taking the GIL back after NIXL dropped it)."""
+    """``--profile``: wraps a NIXL agent, and counts calls, wall seconds and the calling thread's
+    CPU seconds per (thread, method) (the wall time includes taking the GIL back after NIXL
+    dropped it; the CPU time is what NIXL, UCX and the driver spent on that thread)."""
 
     def __init__(self, agent: Any, table: dict[str, list[float]]) -> None:
         self._agent = agent
@@ -346,13 +347,15 @@ class _TimedAgent:
             return fn
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            c = time.thread_time()
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:  # one key per thread: only that thread updates it
-                e = self._table.setdefault(f"{threading.current_thread().name}/{name}", [0, 0.0])
+                e = self._table.setdefault(f"{threading.current_thread().name}/{name}", [0, 0.0, 0.0])
                 e[0] += 1
                 e[1] += time.perf_counter() - t
+                e[2] += time.thread_time() - c
 
         return timed
 
@@ -485,7 +488,9 @@ def kvfsm_initiator(
                 case[f"{pre}_profile"] = {
                     "thread_cpu_seconds": threads,  # timed windows only (every repetition)
                     "decode_thread_cpu_seconds": conn.recv(),  # the target's, announcement to Success
-                    "nixl_calls": {k: {"calls": int(n), "seconds": t} for k, (n, t) in sorted(calls.items())},
+                    "nixl_calls": {
+                        k: {"calls": int(n), "seconds": t, "cpu_seconds": c} for k, (n, t, c) in sorted(calls.items())
+                    },
                 }
     conn.send(None)
     conn.recv()

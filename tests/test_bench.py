@@ -80,3 +80,24 @@ def test_transfer_bench_quick_run_writes_json(tmp_path: Path) -> None:
     goal = res["goal"]
     assert set(goal) == {"kvfsm_ge_0.9x_raw_for_chunks_ge_1MiB", "worst_ratio_ge_1MiB"}
     assert set(goal["worst_ratio_ge_1MiB"]) == {"send", "send_many"}
+
+
+def test_transfer_bench_profile_reports_threads_and_nixl_calls(tmp_path: Path) -> None:
+    from kvfsm.transport.nixl import nixl_available
+
+    if (why := nixl_available()) is not None:
+        pytest.skip(f"NIXL: {why}")
+    out = tmp_path / "transfer.json"
+    argv = ["--quick", "--sizes", "1024", "--layouts", "contig", "--api", "send", "--profile", "--out", str(out)]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer.py"), *argv],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (case,) = json.loads(out.read_text())["cases"]
+    prof = case["kvfsm_profile"]
+    assert prof["thread_cpu_seconds"]["MainThread"] > 0 and prof["decode_thread_cpu_seconds"]["MainThread"] > 0
+    calls = prof["nixl_calls"]
+    # the engine posts its writes itself or queues them for the data plane's threads: either
+    # way some thread made transfers, and every timed method has calls, wall and CPU seconds
+    assert sum(v["calls"] for k, v in calls.items() if k.endswith("/transfer")) >= 1
+    for row in calls.values():
+        assert row["calls"] >= 1 and row["seconds"] >= 0 and row["cpu_seconds"] >= 0
