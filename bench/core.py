@@ -8,6 +8,8 @@
             with a null data plane; baseline: the bare protocol steps of the same events.
   long_chunks  µs per send() of 1,024- and 4,096-page chunks (64 and 256 MiB of 64 KiB pages),
             pages as a list, numpy array or range; baseline: a 16-page chunk held the same way.
+  announce  µs to encode + decode a decode rank's room_pages of 256 / 2,048 / 8,192 pages in one
+            run, sent as the run; baseline: the same pages as a JSON array.
   churn     create+abort+clear cost per room with 100, 1k and 10k rooms live on one manager;
             baseline: ``transitions``' shared-machine ``add_model`` at the same populations.
   bandwidth 16 MiB chunks: send() -> Success through runtime + loopback, streamed (8 chunks in
@@ -249,6 +251,36 @@ def bench_long_chunks(sizes: tuple[int, ...], reps: int) -> dict[str, Any]:
     return out
 
 
+def bench_announce(sizes: tuple[int, ...], reps: int) -> dict[str, Any]:
+    """A decode rank's room_pages on the wire: µs to encode and decode it (the prefill rank
+    decodes it under its manager's lock) with ``n`` pages that are one run, sent as the run
+    (``{"run": [first, count]}``: how the runtime sends a run it holds as a PageRun); baseline:
+    the same pages as a JSON array (every other page list, and every run before protocol
+    version 3), in the same run. Best of ``reps``."""
+    from kvfsm.protocol.pages import PageRun
+    from kvfsm.protocol.wire import RoomPages
+
+    codec = Protocol().codec
+    out: dict[str, Any] = {}
+    for n in sizes:
+        row: dict[str, Any] = {}
+        for form, pages in (("run", PageRun(1000, n)), ("array", tuple(range(1000, 1000 + n)))):
+            msg = RoomPages(7, 0, pages, 3, 1)
+            wire = codec.encode(msg)
+            loops = max(10, 200_000 // n)
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(loops):
+                    codec.decode(codec.encode(msg))
+                best = min(best, (time.perf_counter() - t0) / loops)
+            row[f"{form}_us"] = best * 1e6
+            row[f"{form}_bytes"] = len(wire)
+        row["speedup"] = row["array_us"] / row["run_us"]
+        out[str(n)] = row
+    return out
+
+
 def bench_churn(populations: list[int], batch: int = 2000) -> dict[str, Any]:
     from transitions import Machine
 
@@ -374,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         "rooms": bench_rooms(200 if q else 3000),
         "hot_path": bench_hot_path(reps=3 if q else 10),
         "long_chunks": bench_long_chunks((256,) if q else (1024, 4096), reps=2 if q else 5),
+        "announce": bench_announce((256, 2048) if q else (256, 2048, 8192), reps=2 if q else 5),
         "churn": bench_churn([100, 1000] if q else [100, 1000, 10_000], batch=200 if q else 2000),
         "bandwidth": bench_bandwidth(2 if q else 16, chunks=4 if q else 8, reps=3 if q else 7),
     }

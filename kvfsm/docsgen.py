@@ -268,6 +268,10 @@ def render_messages(spec: ProtocolSpec) -> str:
         "0 or 1). A decoder tells the two apart by the first byte, checks the version, the exact "
         "length and every value's range, and accepts the JSON form of these messages too.",
         f"Field types used: {_codes(types)}.",
+        "A `list[u32]` (at most 1,048,576 pages) is a JSON array of its pages, or "
+        '`{"run": [first, count]}` for the ascending run `first, first + 1, ..., first + count - 1` '
+        "(`count` >= 1): an encoder writes a run it holds as one (a `PageRun`) so, at a cost "
+        "independent of its length; a decoder accepts both forms.",
         "## Messages",
         _table(
             ["message", "plane", "direction", "why"],

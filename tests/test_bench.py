@@ -32,6 +32,8 @@ def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
     for row in long_chunks.values():
         assert row["16"] > 0 and row["256"] > 0 and "extra_us_per_1k_pages_at_256" in row
     assert set(res["goals"]) == {"step_us_le_10", "churn_10k_within_1.5x_of_100", "bandwidth_16MiB_ge_0.8x_memcpy"}
+    for row in res["announce"].values():  # a page run's room_pages, as the run and as an array
+        assert row["run_us"] > 0 and row["array_us"] > 0 and row["run_bytes"] < row["array_bytes"]
     for rooms in res["rooms"].values():
         assert rooms["rooms_per_second"] > 0
 

@@ -8,6 +8,13 @@ for JSON, on the data path once per chunk on each side. No pickle, ever: a peer'
 ``decode`` tells the two apart by the first byte (JSON starts with ``{``), validates the exact
 field set (or length), the declared types and ranges, and raises ``MalformedMessage`` /
 ``UnsupportedVersion``; callers drop and count.
+
+A page list (``list[u32]``) travels as a JSON array of its pages, or, when it is one ascending run
+held as a ``PageRun`` (the runtime makes one of an engine's run of pages), as ``{"run": [first,
+count]}``: a decode rank announcing 8,192 pages costed ~0.45 ms to encode and ~0.65 ms to decode
+as an array here (the decode inside the prefill rank's lock), and costs a few µs so. The decoder
+accepts both forms for any page list, and gives a run of ``RUN_MIN`` pages or more back as a
+``PageRun`` (shorter ones as a tuple, as the array form).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from operator import attrgetter
 from typing import Any, ClassVar
 
 from kvfsm.protocol.errors import MalformedMessage, SpecError, UnsupportedVersion
-from kvfsm.protocol.pages import PageRun, Pages
+from kvfsm.protocol.pages import RUN_MIN, PageRun, Pages
 from kvfsm.protocol.records import fast_init
 
 MAX_STR = 1024
@@ -145,12 +152,26 @@ def _check_str(v: Any) -> Any:
 
 
 def _check_u32_list(v: Any) -> Any:
+    if type(v) is dict:
+        return _check_run(v)
     if type(v) is not list or len(v) > MAX_LIST:
-        raise ValueError(f"expected a list of at most {MAX_LIST} u32")
+        raise ValueError(f'expected a list of at most {MAX_LIST} u32, or {{"run": [first, count]}}')
     for x in v:
         if type(x) is not int or not 0 <= x < U32:
             raise ValueError("expected a list of u32")
     return tuple(v)
+
+
+def _check_run(v: dict[str, Any]) -> Pages:
+    """The run form of a page list: ``{"run": [first, count]}``, 1 <= count <= MAX_LIST, every
+    page a u32."""
+    run = v.get("run")
+    if len(v) != 1 or type(run) is not list or len(run) != 2 or any(type(x) is not int for x in run):
+        raise ValueError('expected a page run {"run": [first, count]} of two integers')
+    first, count = run
+    if not (0 <= first and 1 <= count <= MAX_LIST and first + count <= U32):
+        raise ValueError(f"page run {run}: first >= 0, 1 <= count <= {MAX_LIST}, pages below {U32}")
+    return PageRun(first, count) if count >= RUN_MIN else tuple(range(first, first + count))
 
 
 FIELD_CHECKS: dict[str, Callable[[Any], Any]] = {
@@ -226,7 +247,9 @@ class Codec:
         body: dict[str, Any] = {"v": self.version, "t": msg.TYPE}
         for fname, _ in self._checks[msg.TYPE][1]:
             value = getattr(msg, fname)
-            body[fname] = list(value) if type(value) is PageRun else value
+            if type(value) is PageRun:  # one run: its first page and length, whatever the length
+                value = {"run": [value[0], len(value)]} if value else []
+            body[fname] = value
         return json.dumps(body, separators=(",", ":")).encode()
 
     def decode(self, data: bytes) -> Message:

@@ -20,7 +20,7 @@ MACHINE_NAMES = ("prefill_room", "decode_room")
 def test_spec_loads_with_both_room_machines():
     assert SPEC.name == "kvfsm-push"
     assert SPEC.mode == "push"
-    assert SPEC.version == 2  # 2: notifications in a binary layout
+    assert SPEC.version == 3  # 2: notifications in a binary layout; 3: page runs as {"run": [first, count]}
     assert set(SPEC.machines) == set(MACHINE_NAMES)
     assert SPEC.machines["prefill_room"].initial == "Bootstrapping.Waiting"
     assert SPEC.machines["decode_room"].initial == "Bootstrapping"

@@ -18,7 +18,17 @@ from protocol_kit import MACHINES, Wire
 
 from kvfsm.protocol import MalformedMessage, Protocol, SpecError, UnsupportedVersion, load_spec
 from kvfsm.protocol.events import WritesDrained
-from kvfsm.protocol.wire import BINARY_MAGIC, MAX_LIST, MAX_STR, MESSAGE_CLASSES, ChunkWritten, Codec, Drained
+from kvfsm.protocol.pages import RUN_MIN, PageRun
+from kvfsm.protocol.wire import (
+    BINARY_MAGIC,
+    MAX_LIST,
+    MAX_STR,
+    MESSAGE_CLASSES,
+    ChunkWritten,
+    Codec,
+    Drained,
+    RoomPages,
+)
 
 SPEC = load_spec()
 CODEC = Codec(SPEC.version, {n: m.fields for n, m in SPEC.messages.items()})
@@ -28,7 +38,9 @@ FIELD = {
     "u64": st.integers(0, 2**63 - 1),
     "bool": st.booleans(),
     "str": st.text(max_size=40) | st.text(min_size=MAX_STR, max_size=MAX_STR),
-    "list[u32]": st.lists(st.integers(0, 2**32 - 1), max_size=20).map(tuple),
+    "list[u32]": st.lists(st.integers(0, 2**32 - 1), max_size=20).map(tuple)
+    # a run held as a PageRun (the engine's pages, mostly): it travels as {"run": [first, count]}
+    | st.integers(0, 2**32 - 1).flatmap(lambda f: st.integers(0, min(5000, 2**32 - f)).map(lambda n: PageRun(f, n))),
 }
 # One valid value of each field type, to build messages by hand
 SAMPLE = {"u32": 3, "u64": 2**40, "bool": True, "str": "ok", "list[u32]": [1, 2, 3]}
@@ -137,7 +149,9 @@ BAD_VALUES = {
     "u64": [True, -1, 2**63, 2**64, 0.5, "7", None],
     "bool": [1, 0, "true", None, []],
     "str": [1, None, ["x"], "x" * (MAX_STR + 1)],
-    "list[u32]": ["1,2", 3, None, {"0": 1}, [True], [-1], [2**32], [1.0], [[1]], ["1"]],
+    "list[u32]": ["1,2", 3, None, {"0": 1}, [True], [-1], [2**32], [1.0], [[1]], ["1"]]
+    + [{"run": r} for r in ([1], [1, 0], [-1, 5], [2**32 - 1, 2], [0, MAX_LIST + 1], [True, 3], [1.0, 2], "1,2")]
+    + [{"run": [1, 2], "x": 1}, {"runs": [1, 2]}, {}],
 }
 BAD_CASES = [
     pytest.param(name, field, value, id=f"{name}.{field}={str(value)[:12]}")
@@ -158,6 +172,29 @@ def test_decode_accepts_the_bounds_of_each_type():
     assert (msg.decode_rank, msg.page_bytes, len(msg.region)) == (2**32 - 1, 2**63 - 1, MAX_STR)
     msg = CODEC.decode(raw(envelope("room_pages", pages=[], room=0)))
     assert msg.pages == () and msg.room == 0
+
+
+def test_a_page_run_travels_as_its_first_page_and_length_and_comes_back_as_one():
+    pages = PageRun(1000, 8192)
+    wire = CODEC.encode(RoomPages(7, 1, pages, 3, 2))
+    assert json.loads(wire)["pages"] == {"run": [1000, 8192]} and len(wire) < 200
+    back = CODEC.decode(wire)
+    assert type(back.pages) is PageRun and back.pages == tuple(range(1000, 9192))
+    # the array form of the same pages decodes to an equal message
+    assert CODEC.decode(raw(envelope("room_pages", room=7, decode_rank=1, pages=list(pages), aux_slot=3,
+                                     required_dests=2))) == back  # fmt: skip
+
+
+@pytest.mark.parametrize(("first", "count"), [(0, 1), (5, RUN_MIN - 1), (2**32 - RUN_MIN, RUN_MIN), (0, MAX_LIST)])
+def test_a_run_decodes_to_its_pages_a_short_one_as_a_tuple(first, count):
+    msg = CODEC.decode(raw(envelope("room_pages", pages={"run": [first, count]})))
+    assert type(msg.pages) is (PageRun if count >= RUN_MIN else tuple)
+    assert len(msg.pages) == count and msg.pages[0] == first and msg.pages[-1] == first + count - 1
+
+
+def test_an_empty_page_run_travels_as_an_empty_list():
+    wire = CODEC.encode(RoomPages(7, 1, PageRun(9, 0), 3, 2))
+    assert json.loads(wire)["pages"] == [] and CODEC.decode(wire).pages == ()
 
 
 def test_decode_rejects_a_page_list_over_the_limit():
@@ -213,6 +250,11 @@ def _valid(ftype: str, value) -> bool:
     if ftype == "str":
         return isinstance(value, str) and len(value) <= MAX_STR
     if ftype == "list[u32]":
+        if isinstance(value, dict):  # the run form: {"run": [first, count]}, count >= 1
+            run = value.get("run")
+            if set(value) != {"run"} or not isinstance(run, list) or len(run) != 2 or not all(uint(x, 64) for x in run):
+                return False
+            return 1 <= run[1] <= MAX_LIST and run[0] + run[1] <= 2**32
         return isinstance(value, list) and len(value) <= MAX_LIST and all(uint(x, 32) for x in value)
     raise AssertionError(ftype)
 

@@ -281,7 +281,8 @@ def test_late_notification_for_a_cleared_room_is_dropped_and_never_recreates_it(
 
 def test_malformed_and_unknown_version_messages_are_dropped_and_counted(cluster: LoopbackCluster) -> None:
     p = cluster.prefill[0]
-    for raw in (b"\xff\x00", b"[]", b'{"v":99,"t":"abort"}', b'{"v":2,"t":"room_pages","room":-1}'):
+    v = cluster.protocol.codec.version
+    for raw in (b"\xff\x00", b"[]", b'{"v":99,"t":"abort"}', b'{"v":%d,"t":"room_pages","room":-1}' % v):
         p.endpoint.inject("decode/0", Inbound("message", "decode/0", data=raw))
     cluster.settle()
     counters = p.stats()["counters"]
