@@ -11,7 +11,7 @@ field set (or length), the declared types and ranges, and raises ``MalformedMess
 
 A page list (``list[u32]``) travels as a JSON array of its pages, or, when it is one ascending run
 held as a ``PageRun`` (the runtime makes one of an engine's run of pages), as ``{"run": [first,
-count]}``: a decode rank announcing 8,192 pages costed ~0.45 ms to encode and ~0.65 ms to decode
+count]}``: a decode rank announcing 8,192 pages cost ~0.45 ms to encode and ~0.65 ms to decode
 as an array here (the decode inside the prefill rank's lock), and costs a few µs so. The decoder
 accepts both forms for any page list, and gives a run of ``RUN_MIN`` pages or more back as a
 ``PageRun`` (shorter ones as a tuple, as the array form).
@@ -27,7 +27,7 @@ from operator import attrgetter
 from typing import Any, ClassVar
 
 from kvfsm.protocol.errors import MalformedMessage, SpecError, UnsupportedVersion
-from kvfsm.protocol.pages import RUN_MIN, PageRun, Pages
+from kvfsm.protocol.pages import PageRun, Pages, run_of
 from kvfsm.protocol.records import fast_init
 
 MAX_STR = 1024
@@ -171,7 +171,7 @@ def _check_run(v: dict[str, Any]) -> Pages:
     first, count = run
     if not (0 <= first and 1 <= count <= MAX_LIST and first + count <= U32):
         raise ValueError(f"page run {run}: first >= 0, 1 <= count <= {MAX_LIST}, pages below {U32}")
-    return PageRun(first, count) if count >= RUN_MIN else tuple(range(first, first + count))
+    return run_of(first, count)
 
 
 FIELD_CHECKS: dict[str, Callable[[Any], Any]] = {
