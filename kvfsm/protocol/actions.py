@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfsm.protocol.pages import Pages
-from kvfsm.protocol.records import fast_init
+from kvfsm.records import fast_init
 from kvfsm.protocol.wire import AuxWritten, ChunkWritten, Message
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from kvfsm.protocol.pages import Pages
-from kvfsm.protocol.records import fast_init
+from kvfsm.records import fast_init
 
 Cause = Literal["local", "remote"]
 

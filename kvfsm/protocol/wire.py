@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from kvfsm.protocol.errors import MalformedMessage, SpecError, UnsupportedVersion
 from kvfsm.protocol.pages import PageRun, Pages, run_of
-from kvfsm.protocol.records import fast_init
+from kvfsm.records import fast_init
 
 MAX_STR = 1024
 MAX_LIST = 1 << 20

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from kvfsm.records import fast_init
+
 Region = Literal["kv", "aux"]
 
 
@@ -33,6 +35,7 @@ class TransportError(Exception):
     """A data-plane operation failed (peer dead, region not registered, out of bounds)."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Segment:
     """One contiguous copy: ``length`` bytes from local offset ``src`` to remote offset ``dst``."""
@@ -42,6 +45,7 @@ class Segment:
     length: int
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Inbound:
     """Something that arrived for an endpoint.

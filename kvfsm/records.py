@@ -1,13 +1,14 @@
-"""``fast_init``: a cheaper ``__init__`` for the frozen, slotted dataclasses of events, actions and
-wire messages.
+"""``fast_init``: a cheaper ``__init__`` for the frozen, slotted dataclasses of events, actions,
+wire messages, and the transport's segments and inbound items.
 
 Theory of operation
 -------------------
 The ``__init__`` that ``dataclass(frozen=True)`` writes sets each field with
 ``object.__setattr__(self, name, value)``: a global and an attribute lookup, then the generic
 attribute path (type lookup of the name, the frozen check skipped), per field. A chunk builds
-four such records (ChunkReady, ChunkWritten, PostWrite, SetTimer) and its completion two more
-(WriteCompleted, SetTimer): ~10% of the runtime's per-chunk cost. ``fast_init`` replaces
+five such records (ChunkReady, ChunkWritten, PostWrite, SetTimer, the transport's Segment) and
+its completion three more (the transport's Inbound, WriteCompleted, SetTimer): ~10% of the
+runtime's per-chunk cost. ``fast_init`` replaces
 it by one that calls each field's slot descriptor directly (``Cls.field.__set__``, bound once when
 the class is defined): same signature, same defaults, same result, ~40% cheaper. The class stays
 a frozen dataclass (assignment after construction still raises FrozenInstanceError; eq, hash and

@@ -1,4 +1,4 @@
-"""Events, actions and wire messages built by ``fast_init`` behave as the frozen dataclasses they
+"""Events, actions, wire messages and the transport's segments and inbound items built by ``fast_init`` behave as the frozen dataclasses they
 are: same signature and defaults, immutable, equal and hashable by value."""
 
 from __future__ import annotations
@@ -12,13 +12,16 @@ import pytest
 
 from kvfsm.protocol import actions
 from kvfsm.protocol.events import EVENT_CLASSES, Abort, ChunkReady
-from kvfsm.protocol.records import fast_init
 from kvfsm.protocol.wire import MESSAGE_CLASSES, ChunkWritten
+from kvfsm.records import fast_init
+from kvfsm.transport.base import Inbound, Segment
 
 RECORDS = [
     *EVENT_CLASSES.values(),
     *MESSAGE_CLASSES.values(),
     *(c for c in vars(actions).values() if isinstance(c, type) and c.__module__ == actions.__name__),
+    Segment,
+    Inbound,
 ]
 
 
