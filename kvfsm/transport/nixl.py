@@ -66,7 +66,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -164,6 +164,18 @@ class _Peer:
     fingerprint: bytes = b""
 
 
+class _Route(NamedTuple):
+    """Where a one-run write to one peer's region goes (``NixlDataPlane._routes``)."""
+
+    laddr: int  # our region: address, bytes, device
+    lsize: int
+    ldev: int
+    raddr: int  # the peer's region: address, bytes, device
+    rsize: int
+    rdev: int
+    mems: tuple[str, str]  # memory kinds: ours, the peer's
+
+
 @dataclass(slots=True)
 class _Xfer:
     tags: list[object]  # one per write folded into this transfer, in posting order
@@ -183,8 +195,8 @@ class _Job:
     tag: object
     total: int
     mems: tuple[str, str]  # local and remote memory kinds
-    lrows: list[tuple[int, int, int]]  # exact byte ranges (addr, len, dev); empty: notification only
-    rrows: list[tuple[int, int, int]]
+    lrows: Sequence[tuple[int, int, int]]  # exact byte ranges (addr, len, dev); empty: notification only
+    rrows: Sequence[tuple[int, int, int]]
     prepped: tuple[str, np.ndarray, np.ndarray] | None = None  # (region, local, remote block indices)
 
 
@@ -349,6 +361,9 @@ class NixlDataPlane:
         self._reg: list[Any] = []
         self._prepped: dict[str, Any] = {}
         self._peers: dict[str, _Peer] = {}
+        # (peer, region) -> _Route of a peer whose descriptor and our memory are both known: what
+        # a one-run write needs, in one lookup (``write``); kept in step with both under the lock
+        self._routes: dict[tuple[str, str], _Route] = {}
         self._removed: set[str] = set()
         self._inflight: dict[Any, _Xfer] = {}
         self._ready: list[Inbound] = []  # completions owed without a transfer (empty writes)
@@ -419,6 +434,8 @@ class NixlDataPlane:
                     self._prepped[key] = self.agent.prep_xfer_dlist(_LOCAL, rows, r.mem)
                     self._blocks[key] = blk
             self._local = regions
+            for p in self._peers.values():
+                self._add_routes(p)
 
     def descriptor(self) -> bytes:
         with self._lock:
@@ -466,6 +483,7 @@ class NixlDataPlane:
                         raise TransportError(f"cannot prepare {peer!r}'s {key} region: {exc!r}") from exc
             self._peers[peer] = p
             self._removed.discard(peer)
+            self._add_routes(p)
 
     def remove_peer(self, peer: str) -> None:
         with self._lock:
@@ -523,6 +541,7 @@ class NixlDataPlane:
             if self._closed:
                 return
             self._closed = True
+            self._routes.clear()
         self._wake.set()
         with self._queued:
             self._queued.notify_all()
@@ -545,6 +564,14 @@ class NixlDataPlane:
 
     def _job(self, op: str, peer: str, region: Region, segments: Sequence[Segment], note: bytes, tag: object) -> _Job:
         """Validate a write or read (raises TransportError before anything moves) and describe it."""
+        if op == "WRITE" and len(segments) == 1:  # the usual write: one run, to a known peer
+            route = self._routes.get((peer, region))
+            if route is not None:
+                laddr, lsize, ldev, raddr, rsize, rdev, mems = route
+                s = segments[0]
+                n, src, dst = s.length, s.src, s.dst
+                if n > 0 and 0 <= src <= lsize - n and 0 <= dst <= rsize - n:
+                    return _Job(op, peer, note, tag, n, mems, ((laddr + src, n, ldev),), ((raddr + dst, n, rdev),))
         if region not in REGIONS:
             raise TransportError(f"unknown region {region!r}: 'kv' or 'aux'")
         if self._closed:
@@ -557,12 +584,6 @@ class NixlDataPlane:
         remote = p.regions[region]
         if local is None:
             raise TransportError(f"{op.lower()} {self.name}->{peer}: no local {region} region registered")
-        if op == "WRITE" and len(segments) == 1:  # the usual write: one run, in bounds
-            s = segments[0]
-            n = s.length
-            if n > 0 and 0 <= s.src <= local.nbytes - n and 0 <= s.dst <= remote.nbytes - n:
-                lrow, rrow = (local.addr + s.src, n, local.device), (remote.addr + s.dst, n, remote.device)
-                return _Job(op, peer, note, tag, n, (local.mem, remote.mem), [lrow], [rrow])
         # src is always the side the bytes come from: local for WRITE, remote for READ.
         src_len, dst_len = (local.nbytes, remote.nbytes) if op == "WRITE" else (remote.nbytes, local.nbytes)
         try:
@@ -935,7 +956,25 @@ class NixlDataPlane:
     def _release(self, handle: Any) -> None:
         self._quietly(self.agent.release_xfer_handle, handle)
 
+    def _add_routes(self, p: _Peer) -> None:
+        """Routes to ``p``'s regions (see ``_routes``), once our memory is registered."""
+        for key, local in self._local.items():
+            remote = p.regions.get(key)
+            if remote is not None and local.nbytes and remote.nbytes:
+                route = _Route(
+                    local.addr,
+                    local.nbytes,
+                    local.device,
+                    remote.addr,
+                    remote.nbytes,
+                    remote.device,
+                    (local.mem, remote.mem),
+                )
+                self._routes[(p.name, key)] = route
+
     def _drop_peer(self, p: _Peer) -> None:
+        for key in REGIONS:
+            self._routes.pop((p.name, key), None)
         for h in p.prepped.values():
             self._quietly(self.agent.release_dlist_handle, h)
         p.prepped.clear()
