@@ -233,18 +233,21 @@ def hold_chunk(room: PrefillRoom, ev: ChunkReady, ctx: StepContext, arg: str) ->
 
 def _post(room: PrefillRoom, chunk: ChunkReady, ctx: StepContext) -> None:
     chunk_id = room.next_chunk
-    n = len(chunk.pages)
+    pages = chunk.pages
+    n = len(pages)
     start = room.cursor
-    for dest, ann in sorted(room.dests.items()):
-        note = ChunkWritten(room.room, room.rank, chunk_id, chunk.is_last, start, n)
-        run = ann.run and page_summary(chunk.pages)[3]  # both sides one ascending run: one segment
+    note = ChunkWritten(room.room, room.rank, chunk_id, chunk.is_last, start, n)  # the same for every dest
+    run = page_summary(pages)[3]  # one ascending run (and the dest's too: one segment)
+    dests = room.dests
+    out = ctx.out
+    for dest, ann in dests.items() if len(dests) == 1 else sorted(dests.items()):
         dst = (ann.span if n >= RUN_MIN and ann.span is not None else ann.pages)[start : start + n]
-        ctx.out.append(PostWrite(room.room, dest, chunk_id, chunk.pages, dst, note, run))
+        out.append(PostWrite(room.room, dest, chunk_id, pages, dst, note, ann.run and run))
         room.inflight.add((dest, chunk_id))
         if chunk.is_last:
             assert chunk.aux_slot is not None  # chunk_ok
             aux_note = AuxWritten(room.room, room.rank)
-            ctx.out.append(PostAuxWrite(room.room, dest, chunk.aux_slot, ann.aux_slot, aux_note))
+            out.append(PostAuxWrite(room.room, dest, chunk.aux_slot, ann.aux_slot, aux_note))
             room.inflight.add((dest, AUX_WRITE))
     room.cursor = start + n
     room.next_chunk = chunk_id + 1

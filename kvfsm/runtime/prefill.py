@@ -280,11 +280,11 @@ class PrefillManager(Manager):
         except Exception as exc:  # noqa: BLE001 - the write fails, not the step (the room has moved on)
             self._fail_write(tag, exc)
             return
-        moved = sum(map(_LENGTH, segments))
+        nseg = len(segments)
+        moved = segments[0].length if nseg == 1 else sum(map(_LENGTH, segments))
         rt.bytes += moved
-        rt.descriptors += len(segments)
-        self.telemetry.count("writes_posted")
-        self.telemetry.count("descriptors", len(segments))
+        rt.descriptors += nseg
+        self.telemetry.count2("writes_posted", 1, "descriptors", nseg)
         peer = self._peer_names.get(action.dest_rank)  # the route as it is now, when posted
         if self._batch is not None:  # send_many: handed over with the batch's other writes
             if region == "aux":

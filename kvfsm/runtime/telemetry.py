@@ -63,6 +63,17 @@ class Telemetry:
         finally:
             self._lock.release()
 
+    def count2(self, name: str, n: int, other: str, m: int) -> None:
+        """``count(name, n)`` and ``count(other, m)`` under one acquisition of the lock (a write
+        counts itself and its descriptors)."""
+        self._lock.acquire()
+        try:
+            counters = self.counters
+            counters[name] = counters.get(name, 0) + n
+            counters[other] = counters.get(other, 0) + m
+        finally:
+            self._lock.release()
+
     def observe(self, name: str, value: float) -> None:
         with self._lock:
             h = self.histograms.get(name)
