@@ -165,10 +165,13 @@ def _chunk_problem(room: PrefillRoom, ev: ChunkReady) -> str:
         return "the last chunk, and only the last, carries aux_slot"
     if ev.aux_slot is not None and not 0 <= ev.aux_slot < room.aux_slots:
         return f"aux_slot {ev.aux_slot} outside the {room.aux_slots} registered slots"
-    if not _within(ev.pages, room.kv_pages):
-        return f"pages outside the {room.kv_pages} registered pages"
-    if not _distinct(ev.pages):
-        return "a page appears twice in one chunk"
+    pages = ev.pages
+    if pages:
+        lo, hi, distinct, _ = page_summary(pages)  # (as _within and _distinct read it, once)
+        if lo < 0 or hi >= room.kv_pages:
+            return f"pages outside the {room.kv_pages} registered pages"
+        if not distinct:
+            return "a page appears twice in one chunk"
     return ""
 
 

@@ -57,7 +57,6 @@ refuses its handles, which fail their transfers). Every NIXL exception becomes a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import struct
@@ -371,6 +370,9 @@ class NixlDataPlane:
         self._closed = False
         self._posting = 0  # posts waiting for or holding the agent (read by the poller without a lock)
         self._posting_lock = threading.Lock()
+        # The guard of a posting caller's completion checks (it holds the agent's lock already):
+        # a lock only that caller takes, so never contended, and cheaper than a nullcontext.
+        self._no_guard = threading.Lock()
         self.stats: dict[str, int] = {
             "writes": 0,
             "reads": 0,
@@ -684,13 +686,19 @@ class NixlDataPlane:
             # caller holds the runtime's lock and the GIL most of the time, so the poller would
             # otherwise hand completions over in bursts, late (the runtime queues what arrives
             # while it steps a room and applies it after the step).
-            self._completions(list(self._inflight.items()), done, False, contextlib.nullcontext())
+            self._completions(list(self._inflight.items()), done, False, self._no_guard)
             self._take_ready(done)
         finally:
             self._lock.release()
-            self._wake.set()
+            self._kick_poller()
         if done:
             self._hand_over(done)
+
+    def _kick_poller(self) -> None:
+        """Wake the poller (a transfer is in flight now). Set already, the event is left alone:
+        ``Event.set`` takes its condition's lock and notifies, even when it changes nothing."""
+        if not self._wake.is_set():
+            self._wake.set()
 
     def _take_held(self) -> list[_Job]:
         jobs, self._held, self._held_bytes = self._held, [], 0
@@ -757,7 +765,7 @@ class NixlDataPlane:
         finally:
             with self._posting_lock:
                 self._posting -= 1
-            self._wake.set()
+            self._kick_poller()
 
     def _submit_locked(self, group: list[_Job]) -> None:
         """``_submit`` with the lock held."""
