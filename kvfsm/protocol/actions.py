@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfsm.protocol.pages import Pages
-from kvfsm.records import fast_init
 from kvfsm.protocol.wire import AuxWritten, ChunkWritten, Message
+from kvfsm.records import fast_init
 
 
 @fast_init

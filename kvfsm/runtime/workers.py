@@ -40,8 +40,11 @@ class WorkerPool:
     ) -> None:
         """Run ``job(*args)`` on the worker of ``shard`` (inline with workers=0); if it raises,
         ``on_error(exc, *args)`` runs there instead."""
-        if not self._queues:
-            self._execute(job, args, on_error)
+        if not self._queues:  # inline: as _execute, without its call (one per chunk)
+            try:
+                job(*args)
+            except BaseException as exc:  # noqa: BLE001 - as in _execute
+                self._failed(exc, args, on_error)
             return
         with self._idle:
             self._outstanding += 1
@@ -52,10 +55,14 @@ class WorkerPool:
         try:
             job(*args)
         except BaseException as exc:  # noqa: BLE001 - a worker must survive anything a job raises
-            try:
-                on_error(exc, *args)
-            except BaseException:  # noqa: BLE001
-                log.exception("error handler of a transfer job raised")
+            WorkerPool._failed(exc, args, on_error)
+
+    @staticmethod
+    def _failed(exc: BaseException, args: tuple[Any, ...], on_error: Callable[..., None]) -> None:
+        try:
+            on_error(exc, *args)
+        except BaseException:  # noqa: BLE001
+            log.exception("error handler of a transfer job raised")
 
     def _run(self, q: queue.SimpleQueue[Job | None]) -> None:
         while True:

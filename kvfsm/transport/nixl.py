@@ -595,15 +595,17 @@ class NixlDataPlane:
         if op == "READ" and local.readonly:
             raise TransportError(f"{op.lower()} {self.name}->{peer}: our {region} region is read-only")
         segs = [s for s in segments if s.length]
-        job = _Job(op, peer, note, tag, total, (local.mem, remote.mem), [], [])
+        lrows: list[tuple[int, int, int]] = []
+        rrows: list[tuple[int, int, int]] = []
+        job = _Job(op, peer, note, tag, total, (local.mem, remote.mem), lrows, rrows)
         indices = self._block_indices(op, region, p, segs) if segs else None
         if indices is not None:
             job.prepped = (region, *indices)
         else:
             for s in segs:
                 loff, roff = (s.src, s.dst) if op == "WRITE" else (s.dst, s.src)
-                job.lrows.append((local.addr + loff, s.length, local.device))
-                job.rrows.append((remote.addr + roff, s.length, remote.device))
+                lrows.append((local.addr + loff, s.length, local.device))
+                rrows.append((remote.addr + roff, s.length, remote.device))
         return job
 
     def _post(self, job: _Job) -> int:
