@@ -388,6 +388,47 @@ def test_a_plane_told_to_expect_no_traffic_polls_rarely_until_told_otherwise() -
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_a_plane_expecting_no_traffic_collects_notifications_only_in_full_rounds() -> None:
+    """A prefill rank's poller, busy with its own transfers, skips ``get_new_notifs`` in its
+    short rounds while the owner expects no peer to write into it; a full round still collects
+    them, and so does every round once the owner expects traffic. A notification that arrived
+    meanwhile is delivered by the next full round."""
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    block = 4096
+    a, b = NixlDataPlane("notif-a", quiet_poll_s=60.0), NixlDataPlane("notif-b")
+    src = np.random.default_rng(3).integers(0, 256, 2 * block, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    try:
+        _connect(a, b, src, dst, block, lambda item: None, lambda item: None)
+        a.expect_traffic(False)
+        time.sleep(0.05)  # a's poller starts its quiet wait (a minute): only this test's calls progress a
+        calls: list[int] = []
+        fetch = a.agent.get_new_notifs
+        a.agent.get_new_notifs = lambda: calls.append(1) or fetch()  # type: ignore[method-assign]
+        assert src[:block].any()
+        b.write(a.name, "kv", [Segment(0, 0, block)], b"late", ("w", 0))  # b writes (zeros) into a
+        deadline = time.monotonic() + 0.3
+        items: list[Inbound] = []
+        while time.monotonic() < deadline:  # short rounds: the status of a's own transfers only
+            a._progress(items, False)
+        assert calls == [] and items == [], "a short round of a quiet plane fetched notifications"
+        a._progress(items, True)  # a full round fetches them (and UCX delivers b's write to a)
+        deadline = time.monotonic() + 10
+        while not any(i.kind == "notification" for i in items) and time.monotonic() < deadline:
+            a._progress(items, True)
+        assert calls and [i.data for i in items if i.kind == "notification"] == [b"late"]
+        a.expect_traffic(True)
+        before = len(calls)
+        a._progress([], False)
+        assert len(calls) == before + 1, "a plane expecting traffic fetches notifications every round"
+        assert not src[:block].any(), "b's write did not land in a's memory"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_auto_lets_the_caller_post_device_and_tiny_host_writes_and_the_thread_the_rest() -> None:
     from kvfsm.transport.nixl import SMALL_HOST_BYTES, NixlDataPlane
 
