@@ -589,8 +589,11 @@ class Manager:
     def _handle_inbound(self, item: Inbound) -> None:
         """One inbound item, the lock held. Never raises."""
         try:
-            if item.kind == "completion":  # the most frequent kind on prefill
-                self._on_completion(item)
+            if item.kind == "completions":  # the most frequent kind on prefill (NIXL: a transfer's writes)
+                for tag in item.tag:  # type: ignore[attr-defined]
+                    self._on_completion(tag, True, "")
+            elif item.kind == "completion":
+                self._on_completion(item.tag, item.ok, item.reason)
             elif item.kind in ("message", "notification"):
                 try:
                     msg = self.codec.decode(item.data)
@@ -624,8 +627,9 @@ class Manager:
     def _on_message(self, peer: str, kind: str, msg: Message) -> None:
         raise NotImplementedError
 
-    def _on_completion(self, item: Inbound) -> None:
-        self._count_drop("unexpected_completion", f"from {item.peer}")
+    def _on_completion(self, tag: object, ok: bool, reason: str) -> None:
+        """Our write ``tag`` completed (``ok``) or failed (``reason``). The lock held."""
+        self._count_drop("unexpected_completion", f"of write {tag!r}")
 
     def _on_peer_lost(self, peer: str, reason: str) -> None:
         raise NotImplementedError

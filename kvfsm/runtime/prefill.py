@@ -22,7 +22,7 @@ from kvfsm.protocol.events import (
 from kvfsm.protocol.rooms import PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, as_index, as_pages, coalesce, log
-from kvfsm.transport.base import Inbound, Segment, Write, write_many
+from kvfsm.transport.base import Segment, Write, write_many
 
 _LENGTH = attrgetter("length")  # of a Segment (map in C: one write has one segment, mostly)
 WriteTag = tuple[int, int, int]  # (room, dest_rank, chunk_id | AUX_WRITE): the transport's completion tag
@@ -240,19 +240,18 @@ class PrefillManager(Manager):
                 # it may release them now, not at its fence timer (its room_pages may be lost)
                 self._send(event.rank, Drained(rid, self.rank))
 
-    def _on_completion(self, item: Inbound) -> None:
-        tag = item.tag
-        if not (isinstance(tag, tuple) and len(tag) == 3):
+    def _on_completion(self, tag: object, ok: bool, reason: str) -> None:
+        if not (type(tag) is tuple and len(tag) == 3):
             self._count_drop("unexpected_completion", f"tag {tag!r}")
             return
         rid, dest, chunk_id = tag
         if rid not in self._rooms:
             self._count_drop("completion_for_gone_room", f"room {rid}")
             return
-        if item.ok:
+        if ok:
             self._dispatch(rid, WriteCompleted(dest, chunk_id))
         else:
-            self._dispatch(rid, WriteFailed(dest, chunk_id, item.reason))
+            self._dispatch(rid, WriteFailed(dest, chunk_id, reason))
 
     def _on_peer_lost(self, peer: str, reason: str) -> None:
         rank = self._peer_ranks.pop(peer, None)

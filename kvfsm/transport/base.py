@@ -52,10 +52,12 @@ class Inbound:
 
     kind: "message" (control plane bytes from ``peer``), "notification" (after the data of a
     write from ``peer``), "completion" (of our own write ``tag``; ``ok`` and ``reason``),
-    "peer_lost" (``peer`` crashed or its link broke).
+    "peer_lost" (``peer`` crashed or its link broke). Only a batch handler (``BatchHandler``)
+    also gets "completions": ``tag`` is a tuple of tags, writes that completed together (all
+    ok), as one "completion" item each would say.
     """
 
-    kind: Literal["message", "notification", "completion", "peer_lost"]
+    kind: Literal["message", "notification", "completion", "completions", "peer_lost"]
     peer: str
     data: bytes = b""
     tag: object = None
@@ -68,7 +70,8 @@ Handler = Callable[[Inbound], None]
 # items in rounds (the NIXL poller: a folded transfer completes many writes at once) offers
 # ``set_batch_handler`` and hands a round over in one call: the runtime takes its lock once for
 # the round instead of once per item, so a thread that hands over chunks meanwhile is not woken
-# and preempted for each completion.
+# and preempted for each completion. The writes of one transfer that completed may come as one
+# "completions" item (see ``Inbound``): no item is built, nor handled, per write.
 BatchHandler = Callable[[list[Inbound]], None]
 # One write as ``write_many`` takes it: (peer, region, segments, notification, tag).
 Write = tuple[str, Region, Sequence[Segment], bytes, object]

@@ -407,7 +407,9 @@ class NixlDataPlane:
         self._handler = handler
 
     def set_batch_handler(self, batch: BatchHandler) -> None:
-        """Hand each poll round's items over in one call (see ``BatchHandler``)."""
+        """Hand each poll round's items over in one call (see ``BatchHandler``), the writes that
+        one transfer completed as one "completions" item (in slices of KICK_EVERY while the
+        posting thread copies host memory: see ``_hand_over``)."""
         self._batch_handler = batch
 
     def expect_traffic(self, on: bool) -> None:
@@ -938,7 +940,16 @@ class NixlDataPlane:
                     break
             elif state == "DONE":
                 peer = x.peer
-                items += [Inbound("completion", peer, b"", t) for t in x.tags]
+                if self._batch_handler is None:
+                    items += [Inbound("completion", peer, b"", t) for t in x.tags]
+                elif not self._host_post:
+                    items.append(Inbound("completions", peer, b"", tuple(x.tags)))
+                else:  # in KICK_EVERY slices (see _hand_over)
+                    tags = x.tags
+                    items += [
+                        Inbound("completions", peer, b"", tuple(tags[i : i + KICK_EVERY]))
+                        for i in range(0, len(tags), KICK_EVERY)
+                    ]
             elif state != "GONE":
                 why = reason or f"state {state}"
                 items += [Inbound("completion", x.peer, tag=t, ok=False, reason=why) for t in x.tags]

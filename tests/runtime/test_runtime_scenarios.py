@@ -291,6 +291,34 @@ def test_malformed_and_unknown_version_messages_are_dropped_and_counted(cluster:
     assert p.live_rooms() == 0
 
 
+def test_a_batch_of_completions_applies_each_write_and_drops_only_the_bad_tags(cluster: LoopbackCluster) -> None:
+    """A data plane's "completions" item (the writes one transfer completed): each tag is
+    applied as its own "completion" would be, and a malformed tag or one of a room that is gone
+    is dropped and counted without losing the tags after it."""
+    p, d = cluster.prefill[0], cluster.decode[0]
+    sender = p.create_sender(14)
+    d.create_receiver(14).init([3, 4], 0)
+    cluster.settle()
+    delivered: list[Inbound] = []
+    real = p._on_inbound
+
+    def hold_completions(item: Inbound) -> None:  # the room's writes complete only through the batch below
+        if item.kind == "completion":
+            delivered.append(item)
+        else:
+            real(item)
+
+    p.endpoint.set_handler(hold_completions)
+    sender.send([0, 1], is_last=True, aux_slot=0)
+    cluster.settle()
+    tags = sorted(item.tag for item in delivered)  # type: ignore[type-var]
+    assert len(tags) == 2 and sender.poll() == KVPoll.Transferring  # the chunk and the aux slot
+    p._on_inbound_batch([Inbound("completions", "decode/0", tag=("bad", tags[0], (999, 0, 0), tags[1]))])
+    counters = p.stats()["counters"]
+    assert counters["dropped.unexpected_completion"] == 1 and counters["dropped.completion_for_gone_room"] == 1
+    assert sender.poll() == KVPoll.Success
+
+
 def test_a_message_claiming_another_decode_rank_is_dropped(cluster: LoopbackCluster) -> None:
     sender = cluster.prefill[0].create_sender(12)
     forged = cluster.protocol.codec.encode(RoomPages(12, 0, (1,), 0, 1))  # claims decode rank 0
