@@ -240,7 +240,7 @@ def _post(room: PrefillRoom, chunk: ChunkReady, ctx: StepContext) -> None:
     n = len(pages)
     start = room.cursor
     note = ChunkWritten(room.room, room.rank, chunk_id, chunk.is_last, start, n)  # the same for every dest
-    run = page_summary(pages)[3]  # one ascending run (and the dest's too: one segment)
+    run = page_summary(pages)[3]  # one ascending run: with the dest's pages one too, one segment
     dests = room.dests
     out = ctx.out
     for dest, ann in dests.items() if len(dests) == 1 else sorted(dests.items()):

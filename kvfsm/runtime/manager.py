@@ -588,11 +588,15 @@ class Manager:
 
     def _handle_inbound(self, item: Inbound) -> None:
         """One inbound item, the lock held. Never raises."""
+        if item.kind == "completions":  # the most frequent kind on prefill (NIXL: a transfer's writes)
+            for tag in item.tag:  # type: ignore[attr-defined]
+                try:
+                    self._on_completion(tag, True, "")  # (it runs the event queue: _dispatch)
+                except Exception:  # noqa: BLE001 - as below, and the item's other writes still complete
+                    self._internal_error(item)
+            return
         try:
-            if item.kind == "completions":  # the most frequent kind on prefill (NIXL: a transfer's writes)
-                for tag in item.tag:  # type: ignore[attr-defined]
-                    self._on_completion(tag, True, "")
-            elif item.kind == "completion":
+            if item.kind == "completion":
                 self._on_completion(item.tag, item.ok, item.reason)
             elif item.kind in ("message", "notification"):
                 try:
@@ -612,8 +616,12 @@ class Manager:
                 self._on_peer_lost(item.peer, item.reason)
             self._drain()
         except Exception:  # noqa: BLE001 - last line of defence: never kill the transport thread
-            self.telemetry.count("internal_errors")
-            log.exception("%s%d: error handling %s from %s", self.side, self.rank, item.kind, item.peer)
+            self._internal_error(item)
+
+    def _internal_error(self, item: Inbound) -> None:
+        """Handling ``item`` raised (a bug of ours): count and log it, with the exception."""
+        self.telemetry.count("internal_errors")
+        log.exception("%s%d: error handling %s from %s", self.side, self.rank, item.kind, item.peer)
 
     def _room_for_message(self, rid: int, what: str) -> RoomRuntime | None:
         rt = self._rooms.get(rid)

@@ -293,8 +293,8 @@ def test_malformed_and_unknown_version_messages_are_dropped_and_counted(cluster:
 
 def test_a_batch_of_completions_applies_each_write_and_drops_only_the_bad_tags(cluster: LoopbackCluster) -> None:
     """A data plane's "completions" item (the writes one transfer completed): each tag is
-    applied as its own "completion" would be, and a malformed tag or one of a room that is gone
-    is dropped and counted without losing the tags after it."""
+    applied as its own "completion" would be, and a malformed tag, one of a room that is gone or
+    one whose handling raises (a bug) is dropped and counted without losing the tags after it."""
     p, d = cluster.prefill[0], cluster.decode[0]
     sender = p.create_sender(14)
     d.create_receiver(14).init([3, 4], 0)
@@ -313,9 +313,18 @@ def test_a_batch_of_completions_applies_each_write_and_drops_only_the_bad_tags(c
     cluster.settle()
     tags = sorted(item.tag for item in delivered)  # type: ignore[type-var]
     assert len(tags) == 2 and sender.poll() == KVPoll.Transferring  # the chunk and the aux slot
-    p._on_inbound_batch([Inbound("completions", "decode/0", tag=("bad", tags[0], (999, 0, 0), tags[1]))])
+    on_completion = p._on_completion
+
+    def buggy(tag: object, ok: bool, reason: str) -> None:
+        if tag == "boom":
+            raise RuntimeError("a bug while completing one write")
+        on_completion(tag, ok, reason)
+
+    p._on_completion = buggy  # type: ignore[method-assign]
+    p._on_inbound_batch([Inbound("completions", "decode/0", tag=("bad", tags[0], "boom", (999, 0, 0), tags[1]))])
     counters = p.stats()["counters"]
     assert counters["dropped.unexpected_completion"] == 1 and counters["dropped.completion_for_gone_room"] == 1
+    assert counters["internal_errors"] == 1
     assert sender.poll() == KVPoll.Success
 
 
