@@ -38,7 +38,8 @@ after its data. A post that NIXL refuses completes its writes as failed.
 
 Progress: NIXL's own progress thread spins a core even when idle, so by default it is off and one
 poller thread per data plane drives the agent: it checks the in-flight transfers (the oldest few
-each round, all of them every ``FULL_SCAN_S``), turns DONE or an error into "completion" items,
+each round, all of them every ``FULL_SCAN_S``), turns DONE or an error into "completion" items
+(for a batch handler, the writes a transfer completed into one "completions" item),
 collects notifications (which also progresses UCX for peers writing into us: their writes complete
 only once we did) and hands everything to the handler. It polls every ``busy_poll_s`` while
 transfers are in flight; after traffic, within ``hot_window_s``, every eighth of the quiet so far
