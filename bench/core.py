@@ -10,6 +10,11 @@
             pages as a list, numpy array or range; baseline: a 16-page chunk held the same way.
   announce  µs to encode + decode a decode rank's room_pages of 256 / 2,048 / 8,192 pages in one
             run, sent as the run; baseline: the same pages as a JSON array.
+  nixl_path µs of CPU per 16- and 256-page chunk through runtime + ``NixlDataPlane`` whose agent
+            is a stub (every call returns at once; a transfer is DONE 30 µs after its post, as a
+            1 MiB copy over NVLink): the interpreter's share of a chunk, which bounds a GPU's
+            small chunks (docs/transports.md); baseline: ``hot_path``'s send + completion, the
+            runtime with a null data plane, in the same run.
   churn     create+abort+clear cost per room with 100, 1k and 10k rooms live on one manager;
             baseline: ``transitions``' shared-machine ``add_model`` at the same populations.
   bandwidth 16 MiB chunks: send() -> Success through runtime + loopback, streamed (8 chunks in
@@ -226,6 +231,140 @@ def bench_hot_path(
     }
 
 
+class _StubAgent:
+    """``nixl_path``: the NIXL agent calls ``NixlDataPlane`` makes, each returning at once; a
+    transfer is DONE ``latency_s`` after its post. No bytes move (decode's pages stay as they
+    are): only the Python around the calls is measured."""
+
+    def __init__(self, latency_s: float) -> None:
+        self.latency_s = latency_s
+        self.handles = 0
+        self.posted: dict[int, float] = {}
+        self.transfers = 0
+
+    def _handle(self, *args: Any, **kwargs: Any) -> int:
+        self.handles += 1
+        return self.handles
+
+    register_memory = prep_xfer_dlist = initialize_xfer = make_prepped_xfer = _handle
+
+    def get_xfer_descs(self, rows: Any, mem: str) -> Any:
+        return rows
+
+    def transfer(self, handle: int) -> str:
+        self.posted[handle] = time.perf_counter()
+        self.transfers += 1
+        return "PROC"
+
+    def check_xfer_state(self, handle: int) -> str:
+        return "DONE" if time.perf_counter() - self.posted[handle] > self.latency_s else "PROC"
+
+    def release_xfer_handle(self, handle: int) -> None:
+        self.posted.pop(handle, None)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        return b"d0"
+
+    def get_agent_metadata(self) -> bytes:
+        return b"stub"
+
+    def remove_remote_agent(self, *args: Any) -> None: ...
+    def release_dlist_handle(self, *args: Any) -> None: ...
+    def deregister_memory(self, *args: Any) -> None: ...
+    def send_notif(self, *args: Any) -> None: ...
+
+
+class _DataEndpoint:
+    """``nixl_path``: the prefill manager's endpoint with its writes sent to a NixlDataPlane (the
+    loopback endpoint still carries the control messages)."""
+
+    def __init__(self, control: Any, data: Any) -> None:
+        self.control, self.data, self.name = control, data, control.name
+
+    def send(self, peer: str, data: bytes) -> None:
+        self.control.send(peer, data)
+
+    def write(self, peer: str, region: Any, segments: Any, note: bytes, tag: object) -> int:
+        return int(self.data.write("d0", region, segments, note, tag))
+
+    def write_many(self, writes: Any) -> Any:
+        return self.data.write_many([("d0", *w[1:]) for w in writes])
+
+
+def bench_nixl_path(per_chunk: int, api: str, rooms: int = 16, chunks: int = 16, reps: int = 7) -> dict[str, Any]:
+    """One ``nixl_path`` case (see the module docstring): ``rooms`` rooms x ``chunks`` chunks of
+    ``per_chunk`` pages handed over with ``send()`` or ``send_many()`` (every room's next chunk
+    at once) until every room reports Success; the writes are posted by the engine's thread
+    (``caller_posts="always"``, as a GPU's writes are by default), folded as on a GPU. Median
+    of ``reps``: the engine thread's CPU per chunk while handing over, the process's CPU per
+    chunk until Success, and NIXL transfers per chunk."""
+    from kvfsm.protocol import KVPoll
+    from kvfsm.transport.nixl import NixlDataPlane, RemoteRegion, encode_descriptor
+
+    fab, p, d = _manager(rooms * chunks * per_chunk, 64)
+    plane = NixlDataPlane("bench-stub", caller_posts="always")
+    stub = _StubAgent(30e-6)
+    plane.agent = stub  # (the real agent it made is dropped unused)
+    plane.register_memory(p.kv, p.aux, kv_block=64, aux_block=64)
+    regions = {"kv": RemoteRegion(0, len(p.kv), 0, "DRAM", 64), "aux": RemoteRegion(0, len(p.aux), 0, "DRAM", 64)}
+    plane.add_peer("d0", encode_descriptor("d0", regions, b"stub"))
+    plane.set_batch_handler(p._on_inbound_batch)
+    plane.set_handler(p._on_inbound)
+    p.endpoint = _DataEndpoint(p.endpoint, plane)
+    engine, process, transfers = [], [], []
+    for rep in range(reps):
+        ids = [rep * rooms + r for r in range(rooms)]
+        senders = [p.create_sender(rid) for rid in ids]
+        for r, rid in enumerate(ids):
+            d.create_receiver(rid).init(list(range(r * chunks * per_chunk, (r + 1) * chunks * per_chunk)), 0)
+        fab.pump()
+        work = [[list(range((r * chunks + c) * per_chunk, (r * chunks + c + 1) * per_chunk)) for r in range(rooms)]
+                for c in range(chunks)]  # fmt: skip
+        gc.collect()
+        t0, c0, n0 = time.thread_time(), time.process_time(), stub.transfers
+        for c in range(chunks):
+            last = c == chunks - 1
+            if api == "send_many":
+                p.send_many([(s, work[c][r], last, 0 if last else None) for r, s in enumerate(senders)])
+            else:
+                for r, s in enumerate(senders):
+                    s.send(work[c][r], is_last=last, aux_slot=0 if last else None)
+        engine.append(time.thread_time() - t0)
+        p.wait(ids, KVPoll.Success, timeout=30)
+        process.append(time.process_time() - c0)
+        transfers.append(stub.transfers - n0)
+        assert all(s.poll() == KVPoll.Success for s in senders), "a room did not succeed"
+        for s in senders:
+            s.clear()
+    plane.close()
+    p.close()
+    d.close()
+    n = rooms * chunks
+    return {
+        "engine_us": sorted(engine)[reps // 2] / n * 1e6,
+        "process_us": sorted(process)[reps // 2] / n * 1e6,
+        "transfers_per_chunk": sorted(transfers)[reps // 2] / n,
+    }
+
+
+def bench_nixl_paths(reps: int, hot_path: dict[str, Any]) -> dict[str, Any]:
+    """``nixl_path`` for 16 and 256 pages with both engine APIs, beside its baseline; a dict
+    with ``skipped`` where NIXL cannot be imported (the data plane makes an agent first)."""
+    from kvfsm.transport.nixl import nixl_available
+
+    why = nixl_available()
+    if why is not None:
+        return {"skipped": why}
+    out: dict[str, Any] = {"baseline_null_plane_us": hot_path["send_us"] + hot_path["completion_us"]}
+    for per in (16, 256):
+        for api in ("send", "send_many"):
+            out[f"{per}_{api}"] = bench_nixl_path(per, api, reps=reps)
+    return out
+
+
 def _held(pages: list[int], held: str) -> Any:
     if held == "numpy":
         import numpy as np
@@ -410,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         "churn": bench_churn([100, 1000] if q else [100, 1000, 10_000], batch=200 if q else 2000),
         "bandwidth": bench_bandwidth(2 if q else 16, chunks=4 if q else 8, reps=3 if q else 7),
     }
+    result["nixl_path"] = bench_nixl_paths(3 if q else 9, result["hot_path"])
     goals = {
         "step_us_le_10": result["step"]["us_per_step"] <= 10.0,
         "churn_10k_within_1.5x_of_100": result["churn"]["ratio_high_to_low"] <= 1.5,

@@ -36,6 +36,13 @@ def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
         assert row["run_us"] > 0 and row["array_us"] > 0 and row["run_bytes"] < row["array_bytes"]
     for rooms in res["rooms"].values():
         assert rooms["rooms_per_second"] > 0
+    nixl = res["nixl_path"]  # the runtime + NIXL data plane's Python per chunk (a stub agent)
+    if "skipped" not in nixl:
+        assert nixl["baseline_null_plane_us"] > 0
+        for case in ("16_send", "16_send_many", "256_send", "256_send_many"):
+            row = nixl[case]  # more than the null plane's; the engine's writes folded into few transfers
+            assert row["process_us"] >= row["engine_us"] > 0
+            assert 0 < row["transfers_per_chunk"] < 0.5
 
 
 def test_check_bench_quick_run_writes_json(tmp_path: Path) -> None:
