@@ -450,13 +450,14 @@ class Manager:
     def _local(self, rid: int, event: Event) -> None:
         """A local event: misuse raises LocalProtocolError to the caller, the room unchanged."""
         with self._lock:
-            rt = self._get(rid)
+            rt = self._rooms.get(rid) or self._get(rid)  # (_get raises for a missing room)
             nested, self._draining = self._draining, True  # events raised meanwhile wait their turn
             try:
                 self._step(rt, event)
             finally:
                 self._draining = nested
-            self._drain()
+            if self._queue:  # events raised meanwhile (the usual case: none)
+                self._drain()
 
     def _dispatch(self, rid: int, event: Event) -> None:
         """Queue an event for a room and run the queue to completion (lock held)."""
