@@ -364,7 +364,7 @@ class NixlDataPlane:
         self._prepped: dict[str, Any] = {}
         self._peers: dict[str, _Peer] = {}
         # (peer, region) -> _Route of a peer whose descriptor and our memory are both known: what
-        # a one-run write needs, in one lookup (``write``); kept in step with both under the lock
+        # a one-run write needs, in one lookup (``_job``); kept in step with both under the lock
         self._routes: dict[tuple[str, str], _Route] = {}
         self._removed: set[str] = set()
         self._inflight: dict[Any, _Xfer] = {}
@@ -945,7 +945,7 @@ class NixlDataPlane:
                     items += [Inbound("completion", peer, b"", t) for t in x.tags]
                 elif not self._host_post:
                     items.append(Inbound("completions", peer, b"", tuple(x.tags)))
-                else:  # in KICK_EVERY slices (see _hand_over)
+                else:  # at most KICK_EVERY writes an item (_hand_over lets the posting thread in every KICK_EVERY items)
                     tags = x.tags
                     items += [
                         Inbound("completions", peer, b"", tuple(tags[i : i + KICK_EVERY]))
