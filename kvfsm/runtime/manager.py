@@ -322,6 +322,11 @@ class Manager:
         a transfer's latency). Raises LocalProtocolError for a room that does not exist."""
         rooms = list(rooms)
         deadline = None if timeout is None else time.monotonic() + timeout  # real time, whatever the clock
+        flush = getattr(self.endpoint, "flush", None)
+        if flush is not None:
+            # the engine hands nothing over while it waits: writes held back to go together
+            # go now, and their completions are looked for closely (see the endpoint's flush)
+            flush()
         with self._changed:
             while True:
                 self.tick()

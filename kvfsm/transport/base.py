@@ -200,6 +200,11 @@ class DataPlane(Protocol):
     # poll to notice a peer's writes (NIXL: and to let them complete) may poll rarely while it is
     # off and nothing of its own is in flight. Before the first call a data plane assumes on.
 
+    # Optional: ``flush()``, the owner's hint that it hands nothing more over for now and waits
+    # for its writes (``Manager.wait``): a data plane that holds writes back to post them
+    # together posts them now, and one that polls for completions polls closely until the
+    # next write (no polling interval added to the last writes' latency).
+
 
 def write_many(plane: Any, writes: Sequence[Write]) -> list[int | Exception]:
     """``plane.write_many(writes)`` if the data plane (or endpoint) has it, else one ``write`` at a
@@ -287,6 +292,12 @@ class SplitEndpoint:
         hint = getattr(self.data, "expect_traffic", None)
         if hint is not None:
             hint(on)
+
+    def flush(self) -> None:
+        """Pass the hint on to a data plane that offers ``flush``."""
+        flush = getattr(self.data, "flush", None)
+        if flush is not None:
+            flush()
 
     def write_many(self, writes: Sequence[Write]) -> list[int | Exception]:
         return write_many(self.data, writes)

@@ -47,7 +47,11 @@ transfers are in flight; after traffic, within ``hot_window_s``, every eighth of
 it), or up to ``quiet_poll_s`` while the owner says no peer is expected to write into us
 (``expect_traffic(False)``: a prefill rank in push mode, a decode rank with no room); its rounds
 then collect notifications only with each full scan (a prefill rank's poller called
-``get_new_notifs`` ~50 times per 256 chunks for nothing, ~10 µs each on the H200 host). While a
+``get_new_notifs`` ~50 times per 256 chunks for nothing, ~10 µs each on the H200 host). When the
+owner waits for its writes (``flush``, from ``Manager.wait``) the held writes are posted at once
+and, until the next write, the poller checks the in-flight transfers every ``tail_poll_s`` (an
+eighth of the wait since the last completion, up to ``busy_poll_s``): nobody else completes them
+then, and no engine thread needs the GIL. While a
 post waits for the agent or is inside it, it stands back (up to ``MAX_DEFER_S``), woken when the
 post ends: a timed wake-up costs tens of µs of CPU on a VM. One
 lock guards every call into the agent (the agent's default sync mode takes none), taken per call.
@@ -327,6 +331,7 @@ class NixlDataPlane:
         idle_poll_s: float = 0.0005,
         quiet_poll_s: float = 0.1,
         busy_poll_s: float = 0.0002,
+        tail_poll_s: float = 0.00002,
         hot_window_s: float = 0.05,
         xfer_timeout_s: float = 60.0,
         telemetry: bool = False,
@@ -345,6 +350,7 @@ class NixlDataPlane:
         self.quiet_poll_s = quiet_poll_s
         self._expecting = True  # a peer may write into us (expect_traffic): poll every idle_poll_s
         self.busy_poll_s = busy_poll_s
+        self.tail_poll_s = tail_poll_s
         self.hot_window_s = hot_window_s
         self.xfer_timeout_s = xfer_timeout_s
         config = config_cls(enable_prog_thread=progress_thread, backends=[], capture_telemetry=telemetry)
@@ -397,6 +403,12 @@ class NixlDataPlane:
         self._held: list[_Job] = []  # writes their callers hold back to post together (see _post_now)
         self._held_bytes = 0
         self._held_lock = threading.Lock()
+        self._handed = 0  # writes and reads handed over (write_many: once), counted by _post
+        self._flushed = -1  # _handed at the owner's last flush(): while equal, the owner waits (see flush)
+        # flush() wakes a poller sleeping between rounds by releasing this lock, which the poller's
+        # sleep tries to take (a bare lock: an Event's wait costs the poller more Python per round)
+        self._hurry = threading.Lock()
+        self._hurry.acquire()
         self._poller = threading.Thread(target=self._poll_loop, name=f"nixl-{name}", daemon=True)
         self._poster = threading.Thread(target=self._post_loop, name=f"nixl-{name}-post", daemon=True)
         self._poller.start()
@@ -421,6 +433,25 @@ class NixlDataPlane:
         self._expecting = bool(on)
         if on:
             self._wake.set()
+
+    def flush(self) -> None:
+        """The owner's hint (see ``kvfsm.transport.base``) that it hands nothing more over for
+        now and waits for its writes: the writes held back (``_post_now``) are posted at once,
+        and until a write is handed over again the poller checks the in-flight transfers every
+        ``tail_poll_s`` rather than every ``busy_poll_s`` (slower as the wait lasts), since no
+        posting caller completes them meanwhile nor needs the GIL."""
+        with self._held_lock:
+            self._flushed = self._handed
+            jobs = None
+            if self._held:
+                self._lock.acquire()
+                jobs = self._take_held()
+        if jobs:
+            self._post_locked(jobs)
+        try:
+            self._hurry.release()
+        except RuntimeError:  # released already: the poller's next sleep ends at once
+            pass
 
     def register_memory(self, kv: Any, aux: Any, *, kv_block: int = 0, aux_block: int = 0) -> None:
         regions = {"kv": as_region(kv), "aux": as_region(aux)}
@@ -513,6 +544,7 @@ class NixlDataPlane:
         unit). Only while a post is under way (the posting thread copying host memory, say, which
         takes as long as the copy) does the caller hold them rather than wait for the agent, as
         ``write`` does (see ``_post_now``): they are posted when that post ends."""
+        self._handed += 1
         out: list[int | Exception] = []
         mine: list[_Job] = []
         queued: list[_Job] = []
@@ -615,6 +647,7 @@ class NixlDataPlane:
 
     def _post(self, job: _Job) -> int:
         """Post a validated write or read, or queue it for the posting thread; returns its bytes."""
+        self._handed += 1  # (unlocked: a lost increment still changes it, which is all flush needs)
         if self._caller_posts(job):
             self._post_now(job)
         else:
@@ -832,6 +865,7 @@ class NixlDataPlane:
     def _poll_loop(self) -> None:
         idle_since = last_round = time.monotonic()
         full_scan = 0.0
+        tail_since: float | None = None  # the owner waits (flush): since the last completion seen
         while True:
             items: list[Inbound] = []
             if self._closed:
@@ -860,7 +894,18 @@ class NixlDataPlane:
             if items:
                 idle_since = now
             if busy:
-                interval = self.busy_poll_s  # transfers in flight: poll often
+                if self._handed != self._flushed:
+                    # the owner hands writes over: a posting caller completes transfers itself
+                    # and a round takes the GIL from it, so poll every busy_poll_s
+                    tail_since = None
+                    interval = self.busy_poll_s
+                else:
+                    # the owner waits for these transfers (flush): poll every tail_poll_s at
+                    # first, slower as the wait lasts (an eighth of it since the last
+                    # completion seen, up to busy_poll_s)
+                    if tail_since is None or items:
+                        tail_since = now
+                    interval = min(self.busy_poll_s, max(self.tail_poll_s, (now - tail_since) / 8))
             elif now - idle_since < self.hot_window_s:
                 # traffic seen lately: poll often at first, less as the quiet lasts (a notification
                 # waits at most an eighth of the quiet so far, up to idle_poll_s)
@@ -874,7 +919,7 @@ class NixlDataPlane:
             # progressed meanwhile (a peer's write into us completes only when we progress).
             pause = interval - (time.monotonic() - now)
             if pause > 0:
-                time.sleep(pause)
+                self._hurry.acquire(True, pause)  # (taken by a flush's release or not: locked again)
 
     def _hand_over(self, items: list[Inbound]) -> None:
         """Give a round's items to the handler: in one call if a batch handler is set, in slices

@@ -102,3 +102,27 @@ def test_wait_wakes_for_the_ranks_own_bookkeeping_a_lost_register_is_resent() ->
     finally:
         stop.set()
         c.close()
+
+
+def test_wait_tells_the_endpoint_to_flush_before_it_blocks() -> None:
+    """``wait()`` gives the endpoint's optional ``flush`` hint (the engine hands nothing over
+    while it waits: writes held back go now), once per call, before it blocks; an endpoint
+    without ``flush`` is left alone."""
+    c = LoopbackCluster()
+    flushes: list[int] = []
+    try:
+        s = c.prefill[0].create_sender(3)
+        c.prefill[0].endpoint.flush = lambda: flushes.append(1)  # type: ignore[attr-defined]
+        t, out = _in_thread(lambda: c.prefill[0].wait([3], KVPoll.Success, timeout=30))
+        time.sleep(0.05)
+        assert t.is_alive() and len(flushes) == 1, "wait() blocks after one flush"
+        rc = c.decode[0].create_receiver(3)
+        rc.init([0, 1], 0)
+        c.settle()
+        s.send([2, 3], is_last=True, aux_slot=0)
+        c.settle()
+        t.join(5)
+        assert not t.is_alive() and out == [[KVPoll.Success]] and len(flushes) == 1
+        assert rc.wait(timeout=5) == KVPoll.Success  # the decode endpoint has no flush: unaffected
+    finally:
+        c.close()

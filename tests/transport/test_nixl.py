@@ -257,6 +257,110 @@ def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flus
         b.close()
 
 
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_flush_posts_the_held_writes_at_once_and_their_completions_follow() -> None:
+    """``flush()`` (the owner waits: ``Manager.wait``) posts the writes a caller held back in
+    the caller's own thread, with no poller round, and their completions follow soon (the
+    caller's own check or the poller's close watch after a flush); every write lands and
+    completes once. The poller's busy rounds are a minute apart here, so without the flush
+    nothing held would move, nor complete, within the test."""
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    block, n = 4096, 6
+    a = NixlDataPlane("flush-a", caller_posts="always", busy_poll_s=60.0, flush_jobs=1000)
+    b = NixlDataPlane("flush-b")
+    src = np.random.default_rng(5).integers(0, 256, n * block, dtype=np.uint8)
+    dst = np.zeros(n * block, dtype=np.uint8)
+    completions, done, on_a = _counting(n)
+    try:
+        _connect(a, b, src, dst, block, on_a, lambda item: None)
+        # hold the second and later writes: the first transfer is not seen complete meanwhile
+        vars(a).update({"_progress": lambda *args: None, "_completions": lambda *args: None})
+        time.sleep(0.05)  # a round that had begun is over
+        for i in range(n):
+            a.write(b.name, "kv", [Segment(i * block, i * block, block)], str(i).encode(), ("f", i))
+        del a._progress, a._completions  # the class's methods again
+        assert len(a._held) == n - 1 and a.stats["transfers"] == 1
+        a.flush()
+        assert not a._held and a.stats["transfers"] == 2, "flush posts every held write, folded, at once"
+        assert done.wait(20), "the flushed writes did not complete"
+        assert sorted(c.tag for c in completions) == [("f", i) for i in range(n)] and all(c.ok for c in completions)
+        deadline = time.monotonic() + 10
+        while not (dst == src).all() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert (dst == src).all()
+    finally:
+        a.close()
+        b.close()
+
+
+class _SlowAgent:
+    """An agent whose transfers stay in flight ``latency_s`` after their post (a GPU's copy or a
+    remote write does; UCX copies host memory inside the post, so a real agent's DRAM transfer
+    is done at once): the poller's schedule is what is under test, not NIXL."""
+
+    def __init__(self, agent: Any, latency_s: float) -> None:
+        self._agent, self.latency_s, self.posted = agent, latency_s, {}
+        self.checks = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def initialize_xfer(self, *args: Any) -> int:
+        return len(self.posted) + 1
+
+    def transfer(self, handle: int) -> str:
+        self.posted[handle] = time.monotonic()
+        return "PROC"
+
+    def check_xfer_state(self, handle: int) -> str:
+        self.checks += 1
+        return "DONE" if time.monotonic() - self.posted[handle] >= self.latency_s else "PROC"
+
+    def release_xfer_handle(self, handle: int) -> None:
+        pass
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_after_a_flush_the_poller_watches_the_transfers_closely_until_the_next_write() -> None:
+    """While transfers are in flight the poller's rounds are ``busy_poll_s`` apart (a minute
+    here): the posting caller completes transfers itself. After ``flush()`` nobody else will, so
+    the poller polls every ``tail_poll_s`` at first (slower as the wait lasts) and delivers the
+    completion soon after the transfer ends; a write handed over again restores the busy pace."""
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    block = 4096
+    a = NixlDataPlane("tail-a", caller_posts="always", busy_poll_s=60.0, tail_poll_s=0.001)
+    b = NixlDataPlane("tail-b")
+    src = np.random.default_rng(6).integers(0, 256, 4 * block, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    completions, done, on_a = _counting(1)
+    try:
+        _connect(a, b, src, dst, block, on_a, lambda item: None)
+        slow = _SlowAgent(a.agent, 1.0)
+        a.agent = slow
+        time.sleep(0.05)
+        a.write(b.name, "kv", [Segment(0, 0, block)], b"0", ("t", 0))
+        assert not done.wait(0.6), "the transfer is still in flight"
+        checks = slow.checks
+        assert checks <= 2, "the poller polled between busy rounds"
+        a.flush()
+        assert done.wait(5), "after flush the poller should deliver the completion soon"
+        assert completions[0].ok and completions[0].tag == ("t", 0)
+        # a write handed over again: busy pace (the caller completes what it posts)
+        vars(a).update({"_completions": lambda *args: None})
+        a.write(b.name, "kv", [Segment(block, block, block)], b"1", ("t", 1))
+        del a._completions
+        time.sleep(0.1)  # the round the write's kick starts (a poller idle since the completion)
+        checks = slow.checks
+        time.sleep(1.2)  # the transfer ends meanwhile
+        assert slow.checks == checks, "the poller still polled closely after a write was handed over"
+        assert len(completions) == 1
+    finally:
+        a.close()
+        b.close()
+
+
 def _hold_then_wait(plane: Any, first: Any, last: Any, posting: bool = False) -> tuple[bool, int, bool]:
     """Run ``first`` and then ``last`` on threads while ``plane``'s agent lock is taken (and, if
     ``posting``, a post counted as under way); returns (``first`` returned, writes held then,
