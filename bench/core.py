@@ -14,7 +14,9 @@
             is a stub (every call returns at once; a transfer is DONE 30 µs after its post, as a
             1 MiB copy over NVLink): the interpreter's share of a chunk, which bounds a GPU's
             small chunks (docs/transports.md); baseline: ``hot_path``'s send + completion, the
-            runtime with a null data plane, in the same run.
+            runtime with a null data plane, in the same run. ``tail_us``: from the last
+            hand-over until every room's Success (``Manager.wait``); its baseline
+            ``tail_no_flush_us``: the 16-page ``send()`` case without wait()'s flush hint.
   churn     create+abort+clear cost per room with 100, 1k and 10k rooms live on one manager;
             baseline: ``transitions``' shared-machine ``add_model`` at the same populations.
   bandwidth 16 MiB chunks: send() -> Success through runtime + loopback, streamed (8 chunks in
@@ -293,14 +295,28 @@ class _DataEndpoint:
     def write_many(self, writes: Any) -> Any:
         return self.data.write_many([("d0", *w[1:]) for w in writes])
 
+    def flush(self) -> None:
+        self.data.flush()
 
-def bench_nixl_path(per_chunk: int, api: str, rooms: int = 16, chunks: int = 16, reps: int = 7) -> dict[str, Any]:
+
+class _NoFlushEndpoint(_DataEndpoint):
+    """``nixl_path``'s endpoint without the ``flush`` hint (``Manager.wait`` then gives none):
+    the baseline of ``tail_us``."""
+
+    flush = None  # type: ignore[assignment]
+
+
+def bench_nixl_path(
+    per_chunk: int, api: str, rooms: int = 16, chunks: int = 16, reps: int = 7, flush: bool = True
+) -> dict[str, Any]:
     """One ``nixl_path`` case (see the module docstring): ``rooms`` rooms x ``chunks`` chunks of
     ``per_chunk`` pages handed over with ``send()`` or ``send_many()`` (every room's next chunk
     at once) until every room reports Success; the writes are posted by the engine's thread
     (``caller_posts="always"``, as a GPU's writes are by default), folded as on a GPU. Median
     of ``reps``: the engine thread's CPU per chunk while handing over, the process's CPU per
-    chunk until Success, and NIXL transfers per chunk."""
+    chunk until Success, NIXL transfers per chunk, and the tail: the wall time from the last
+    hand-over until every room reports Success (``Manager.wait``; without its ``flush`` hint to
+    the data plane if not ``flush``)."""
     from kvfsm.protocol import KVPoll
     from kvfsm.transport.nixl import NixlDataPlane, RemoteRegion, encode_descriptor
 
@@ -313,8 +329,8 @@ def bench_nixl_path(per_chunk: int, api: str, rooms: int = 16, chunks: int = 16,
     plane.add_peer("d0", encode_descriptor("d0", regions, b"stub"))
     plane.set_batch_handler(p._on_inbound_batch)
     plane.set_handler(p._on_inbound)
-    p.endpoint = _DataEndpoint(p.endpoint, plane)
-    engine, process, transfers = [], [], []
+    p.endpoint = (_DataEndpoint if flush else _NoFlushEndpoint)(p.endpoint, plane)
+    engine, process, transfers, tail = [], [], [], []
     for rep in range(reps):
         ids = [rep * rooms + r for r in range(rooms)]
         senders = [p.create_sender(rid) for rid in ids]
@@ -333,7 +349,9 @@ def bench_nixl_path(per_chunk: int, api: str, rooms: int = 16, chunks: int = 16,
                 for r, s in enumerate(senders):
                     s.send(work[c][r], is_last=last, aux_slot=0 if last else None)
         engine.append(time.thread_time() - t0)
+        t1 = time.perf_counter()
         p.wait(ids, KVPoll.Success, timeout=30)
+        tail.append(time.perf_counter() - t1)
         process.append(time.process_time() - c0)
         transfers.append(stub.transfers - n0)
         assert all(s.poll() == KVPoll.Success for s in senders), "a room did not succeed"
@@ -347,6 +365,7 @@ def bench_nixl_path(per_chunk: int, api: str, rooms: int = 16, chunks: int = 16,
         "engine_us": sorted(engine)[reps // 2] / n * 1e6,
         "process_us": sorted(process)[reps // 2] / n * 1e6,
         "transfers_per_chunk": sorted(transfers)[reps // 2] / n,
+        "tail_us": sorted(tail)[reps // 2] * 1e6,
     }
 
 
@@ -362,6 +381,8 @@ def bench_nixl_paths(reps: int, hot_path: dict[str, Any]) -> dict[str, Any]:
     for per in (16, 256):
         for api in ("send", "send_many"):
             out[f"{per}_{api}"] = bench_nixl_path(per, api, reps=reps)
+    # the tail's baseline: the same case with no flush hint (the held writes wait for a poller round)
+    out["16_send"]["tail_no_flush_us"] = bench_nixl_path(16, "send", reps=reps, flush=False)["tail_us"]
     return out
 
 

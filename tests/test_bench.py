@@ -42,7 +42,8 @@ def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
         for case in ("16_send", "16_send_many", "256_send", "256_send_many"):
             row = nixl[case]  # more than the null plane's; the engine's writes folded into few transfers
             assert row["process_us"] >= row["engine_us"] > 0
-            assert 0 < row["transfers_per_chunk"] < 0.5
+            assert 0 < row["transfers_per_chunk"] < 0.5 and row["tail_us"] > 0
+        assert nixl["16_send"]["tail_no_flush_us"] > 0
 
 
 def test_check_bench_quick_run_writes_json(tmp_path: Path) -> None:
