@@ -894,9 +894,11 @@ class NixlDataPlane:
             if items:
                 idle_since = now
             if busy:
-                if self._handed != self._flushed:
+                if self._handed != self._flushed or self._jobs or self._posting:
                     # the owner hands writes over: a posting caller completes transfers itself
-                    # and a round takes the GIL from it, so poll every busy_poll_s
+                    # and a round takes the GIL from it, so poll every busy_poll_s; so too while
+                    # the posting thread has work (host copies: each transfer is done when its
+                    # post returns, and a round would only take a CPU from the copy)
                     tail_since = None
                     interval = self.busy_poll_s
                 else:
