@@ -22,7 +22,7 @@ from kvfsm.protocol.events import (
 from kvfsm.protocol.rooms import PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, as_index, as_pages, coalesce, log
-from kvfsm.transport.base import Segment, Write, write_many
+from kvfsm.transport.base import Segment, SegmentArray, Write, write_many
 
 _LENGTH = attrgetter("length")  # of a Segment (map in C: one write has one segment, mostly)
 WriteTag = tuple[int, int, int]  # (room, dest_rank, chunk_id | AUX_WRITE): the transport's completion tag
@@ -280,7 +280,12 @@ class PrefillManager(Manager):
             self._fail_write(tag, exc)
             return
         nseg = len(segments)
-        moved = segments[0].length if nseg == 1 else sum(map(_LENGTH, segments))
+        if nseg == 1:
+            moved = segments[0].length
+        elif type(segments) is SegmentArray:
+            moved = segments.total()
+        else:
+            moved = sum(map(_LENGTH, segments))
         rt.bytes += moved
         rt.descriptors += nseg
         self.telemetry.count2("writes_posted", 1, "descriptors", nseg)
@@ -328,7 +333,7 @@ class PrefillManager(Manager):
         for w in writes:
             self._fail_write(w[4], exc)  # type: ignore[arg-type]
 
-    def _write(self, peer: str | None, region: str, segments: list[Segment], note: bytes, tag: WriteTag) -> None:
+    def _write(self, peer: str | None, region: str, segments: Sequence[Segment], note: bytes, tag: WriteTag) -> None:
         """Transfer job of one posted write (a worker thread, or inline with workers=0)."""
         if peer is None:
             raise LocalProtocolError(f"no route to decode rank {tag[1]}")
@@ -336,7 +341,7 @@ class PrefillManager(Manager):
         self.telemetry.count("bytes_written", moved)
 
     def _write_failed(
-        self, exc: BaseException, peer: str | None, region: str, segments: list[Segment], note: bytes, tag: WriteTag
+        self, exc: BaseException, peer: str | None, region: str, segments: Sequence[Segment], note: bytes, tag: WriteTag
     ) -> None:
         """``_write`` raised (the pool's on_error, called with the job's arguments)."""
         self._fail_write(tag, exc)

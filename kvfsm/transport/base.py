@@ -22,9 +22,11 @@ and hand a round over in one call (``BatchHandler``).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, overload
+
+import numpy as np
 
 from kvfsm.records import fast_init
 
@@ -63,6 +65,59 @@ class Inbound:
     tag: object = None
     ok: bool = True
     reason: str = ""
+
+
+class SegmentArray(Sequence[Segment]):
+    """Many segments as three 1-D int64 numpy arrays (``src``, ``dst``, ``length``): a scattered
+    chunk's write, one segment per run of pages, without a ``Segment`` object per run. It is a
+    ``Sequence[Segment]`` (indexing and iteration make the ``Segment``s, for a transport that
+    walks them one by one); ``check_segments`` and the NIXL data plane read the arrays whole."""
+
+    __slots__ = ("src", "dst", "length")
+
+    def __init__(self, src: Any, dst: Any, length: Any) -> None:
+        self.src = np.ascontiguousarray(src, dtype=np.int64)
+        self.dst = np.ascontiguousarray(dst, dtype=np.int64)
+        self.length = np.ascontiguousarray(length, dtype=np.int64)
+        if not self.src.ndim == self.dst.ndim == self.length.ndim == 1 or not (
+            len(self.src) == len(self.dst) == len(self.length)
+        ):
+            raise ValueError("SegmentArray: src, dst and length must be 1-D and of one length")
+
+    @classmethod
+    def of(cls, segments: Sequence[Segment]) -> SegmentArray:
+        """The same segments, as arrays."""
+        return cls([s.src for s in segments], [s.dst for s in segments], [s.length for s in segments])
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @overload
+    def __getitem__(self, i: int) -> Segment: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> SegmentArray: ...
+
+    def __getitem__(self, i: int | slice) -> Segment | SegmentArray:
+        if isinstance(i, slice):
+            return SegmentArray(self.src[i], self.dst[i], self.length[i])
+        return Segment(int(self.src[i]), int(self.dst[i]), int(self.length[i]))
+
+    def __iter__(self) -> Iterator[Segment]:
+        for src, dst, n in zip(self.src.tolist(), self.dst.tolist(), self.length.tolist(), strict=True):
+            yield Segment(src, dst, n)
+
+    def __repr__(self) -> str:
+        return f"SegmentArray({len(self)} segments, {self.total()} bytes)"
+
+    def total(self) -> int:
+        """The bytes of every segment together."""
+        return int(self.length.sum())
+
+    def nonempty(self) -> SegmentArray:
+        """The segments that move bytes (itself if all do)."""
+        keep = self.length != 0
+        return self if bool(keep.all()) else SegmentArray(self.src[keep], self.dst[keep], self.length[keep])
 
 
 Handler = Callable[[Inbound], None]
@@ -244,6 +299,15 @@ class Endpoint(Protocol):
 def check_segments(segments: Sequence[Segment], local: int, remote: int, what: str) -> int:
     """Bounds-check segments (``src`` within ``local`` bytes, ``dst`` within ``remote``); returns
     the total length. Raises TransportError naming the first bad segment."""
+    if type(segments) is SegmentArray:  # the arrays at once (compared without sums: no overflow)
+        src, dst, n = segments.src, segments.dst, segments.length
+        bad = (n < 0) | (src < 0) | (dst < 0) | (src > local - n) | (dst > remote - n)
+        if bool(bad.any()):
+            s = segments[int(np.argmax(bad))]
+            raise TransportError(
+                f"{what}: segment {s} outside registered memory ({local} local, {remote} remote bytes)"
+            )
+        return segments.total()
     total = 0
     for s in segments:
         if s.length < 0 or s.src < 0 or s.dst < 0 or s.src + s.length > local or s.dst + s.length > remote:

@@ -72,6 +72,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -83,6 +84,7 @@ from kvfsm.transport.base import (
     MemoryRegion,
     Region,
     Segment,
+    SegmentArray,
     TransportError,
     Write,
     as_region,
@@ -631,13 +633,19 @@ class NixlDataPlane:
             raise TransportError(f"{op.lower()} {self.name}->{peer} {region}{exc}") from None
         if op == "READ" and local.readonly:
             raise TransportError(f"{op.lower()} {self.name}->{peer}: our {region} region is read-only")
-        segs = [s for s in segments if s.length]
+        segs: Sequence[Segment]
+        segs = segments.nonempty() if type(segments) is SegmentArray else [s for s in segments if s.length]
         lrows: list[tuple[int, int, int]] = []
         rrows: list[tuple[int, int, int]] = []
         job = _Job(op, peer, note, tag, total, (local.mem, remote.mem), lrows, rrows)
-        indices = self._block_indices(op, region, p, segs) if segs else None
+        indices = self._block_indices(op, region, p, segs) if len(segs) else None
         if indices is not None:
             job.prepped = (region, *indices)
+        elif type(segs) is SegmentArray:  # the rows built from the arrays, no Segment per run
+            loffs, roffs = (segs.src, segs.dst) if op == "WRITE" else (segs.dst, segs.src)
+            lengths = segs.length.tolist()
+            lrows += zip((loffs + local.addr).tolist(), lengths, repeat(local.device), strict=False)
+            rrows += zip((roffs + remote.addr).tolist(), lengths, repeat(remote.device), strict=False)
         else:
             for s in segs:
                 loff, roff = (s.src, s.dst) if op == "WRITE" else (s.dst, s.src)
@@ -756,24 +764,34 @@ class NixlDataPlane:
     def _block_indices(
         self, op: str, region: str, p: _Peer, segs: Sequence[Segment]
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """Block indices of both sides if every segment is block-aligned on both, else None."""
+        """Block indices of both sides if every segment is block-aligned on both, else None
+        (computed on arrays: a scattered chunk has a segment per page)."""
         if len(segs) < PREPPED_MIN_RUNS:  # (use_prepped's first test, before summing lengths)
             return None
         lblk = self._blocks.get(region, 0)
         rblk = p.regions[region].block
         if not lblk or lblk != rblk or region not in p.prepped:
             return None
-        if not use_prepped(len(segs), sum(s.length for s in segs) // lblk):
+        if type(segs) is SegmentArray:
+            src, dst, lengths = segs.src, segs.dst, segs.length
+        else:
+            src = np.array([s.src for s in segs], dtype=np.int64)
+            dst = np.array([s.dst for s in segs], dtype=np.int64)
+            lengths = np.array([s.length for s in segs], dtype=np.int64)
+        if not use_prepped(len(segs), int(lengths.sum()) // lblk):
             return None
-        lparts, rparts = [], []
-        for s in segs:
-            loff, roff = (s.src, s.dst) if op == "WRITE" else (s.dst, s.src)
-            if loff % lblk or roff % lblk or s.length % lblk:
-                return None
-            n = s.length // lblk
-            lparts.append(np.arange(loff // lblk, loff // lblk + n, dtype=np.int32))
-            rparts.append(np.arange(roff // lblk, roff // lblk + n, dtype=np.int32))
-        return np.concatenate(lparts), np.concatenate(rparts)
+        loffs, roffs = (src, dst) if op == "WRITE" else (dst, src)
+        if bool(((loffs % lblk) | (roffs % lblk) | (lengths % lblk)).any()):
+            return None
+        counts = lengths // lblk
+        lfirst, rfirst = loffs // lblk, roffs // lblk
+        if bool((counts == 1).all()):  # a block per segment (scattered pages): the starts themselves
+            return lfirst.astype(np.int32), rfirst.astype(np.int32)
+        # each segment's blocks, all at once: its first block plus 0 .. count - 1
+        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        return (np.repeat(lfirst, counts) + within).astype(np.int32), (np.repeat(rfirst, counts) + within).astype(
+            np.int32
+        )
 
     def _post_loop(self) -> None:
         """The posting thread: takes every queued job and posts them, folded (``fold``) into as

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm.transport.base import Inbound, Segment, TransportError
+from kvfsm.transport.base import Inbound, Segment, SegmentArray, TransportError
 from kvfsm.transport.loopback import Fabric
 from kvfsm.transport.nixl import nixl_available
 
@@ -199,6 +199,31 @@ def test_empty_write_still_notifies_and_completes(data_net: DataNet) -> None:
     assert data_net.rec.got("a", "completion")[0].tag == "e"
 
 
+@pytest.mark.parametrize("form", ["list", "array"])
+@pytest.mark.parametrize(
+    ("per_segment", "reverse"),
+    [(KV_BLOCK, True), (2 * KV_BLOCK, False), (100, True)],
+    ids=["blocks-reversed", "two-block-runs", "byte-ranges"],
+)
+def test_a_scattered_write_lands_exactly_as_segments_or_as_a_segment_array(
+    data_net: DataNet, form: str, per_segment: int, reverse: bool
+) -> None:
+    """A write of many short runs (a scattered chunk: one segment per page or run, here 24..64)
+    lands byte for byte whether its segments come as ``Segment``s or as a ``SegmentArray`` (the
+    runtime's form for long scattered chunks), and counts the same bytes."""
+    n = min(64, KV_BYTES // per_segment // 2)
+    order = list(range(n))[::-1] if reverse else list(range(n))
+    segs = [Segment(i * per_segment, (n + j) * per_segment, per_segment) for i, j in enumerate(order)]
+    arg: Any = segs if form == "list" else SegmentArray.of(segs)
+    expected = _apply(data_net.kv["b"], data_net.kv["a"], segs)
+    assert data_net.planes["a"].write("b", "kv", arg, b"scattered", "s") == n * per_segment
+    data_net.wait(lambda: data_net.rec.got("a", "completion") and data_net.rec.got("b", "notification"))
+    assert (data_net.kv["b"] == expected).all()
+    (done,) = data_net.rec.got("a", "completion")
+    assert (done.tag, done.ok) == ("s", True)
+
+
+@pytest.mark.parametrize("form", ["list", "array"])
 @pytest.mark.parametrize(
     "bad",
     [
@@ -211,11 +236,15 @@ def test_empty_write_still_notifies_and_completes(data_net: DataNet) -> None:
     ids=["remote-overflow", "local-overflow", "negative-offset", "negative-remote-offset", "negative-length"],
 )
 @pytest.mark.parametrize("alone", [False, True], ids=["after-a-good-one", "alone"])
-def test_out_of_bounds_is_refused_before_any_byte_moves(data_net: DataNet, bad: Segment, alone: bool) -> None:
+def test_out_of_bounds_is_refused_before_any_byte_moves(
+    data_net: DataNet, bad: Segment, alone: bool, form: str
+) -> None:
     before = data_net.kv["b"].copy()
     good = Segment(0, 0, KV_BLOCK)
-    with pytest.raises(TransportError, match="outside registered"):
-        data_net.planes["a"].write("b", "kv", [bad] if alone else [good, bad], b"x", "t")
+    segs = [bad] if alone else [good, bad]
+    with pytest.raises(TransportError, match="outside registered") as err:
+        data_net.planes["a"].write("b", "kv", segs if form == "list" else SegmentArray.of(segs), b"x", "t")
+    assert str(bad) in str(err.value), "the error names the bad segment"
     time.sleep(0.02)
     data_net.settle()
     assert (data_net.kv["b"] == before).all()
