@@ -14,7 +14,10 @@
             is a stub (every call returns at once; a transfer is DONE 30 µs after its post, as a
             1 MiB copy over NVLink): the interpreter's share of a chunk, which bounds a GPU's
             small chunks (docs/transports.md); baseline: ``hot_path``'s send + completion, the
-            runtime with a null data plane, in the same run. ``tail_us``: from the last
+            runtime with a null data plane, in the same run. ``256_scattered_send``: 256
+            pages in reverse order at decode (a segment per page), their runs as a
+            ``SegmentArray``; its baseline ``segments_engine_us``: the same chunks with the runs
+            as a list of ``Segment``s. ``tail_us``: from the last
             hand-over until every room's Success (``Manager.wait``); its baseline
             ``tail_no_flush_us``: the 16-page ``send()`` case without wait()'s flush hint.
   churn     create+abort+clear cost per room with 100, 1k and 10k rooms live on one manager;
@@ -307,7 +310,13 @@ class _NoFlushEndpoint(_DataEndpoint):
 
 
 def bench_nixl_path(
-    per_chunk: int, api: str, rooms: int = 16, chunks: int = 16, reps: int = 7, flush: bool = True
+    per_chunk: int,
+    api: str,
+    rooms: int = 16,
+    chunks: int = 16,
+    reps: int = 7,
+    flush: bool = True,
+    scattered: bool = False,
 ) -> dict[str, Any]:
     """One ``nixl_path`` case (see the module docstring): ``rooms`` rooms x ``chunks`` chunks of
     ``per_chunk`` pages handed over with ``send()`` or ``send_many()`` (every room's next chunk
@@ -316,7 +325,8 @@ def bench_nixl_path(
     of ``reps``: the engine thread's CPU per chunk while handing over, the process's CPU per
     chunk until Success, NIXL transfers per chunk, and the tail: the wall time from the last
     hand-over until every room reports Success (``Manager.wait``; without its ``flush`` hint to
-    the data plane if not ``flush``)."""
+    the data plane if not ``flush``). ``scattered``: decode's pages in reverse order, so that
+    every page is a segment of its own (block indices into the prepared lists)."""
     from kvfsm.protocol import KVPoll
     from kvfsm.transport.nixl import NixlDataPlane, RemoteRegion, encode_descriptor
 
@@ -335,7 +345,8 @@ def bench_nixl_path(
         ids = [rep * rooms + r for r in range(rooms)]
         senders = [p.create_sender(rid) for rid in ids]
         for r, rid in enumerate(ids):
-            d.create_receiver(rid).init(list(range(r * chunks * per_chunk, (r + 1) * chunks * per_chunk)), 0)
+            dst = list(range(r * chunks * per_chunk, (r + 1) * chunks * per_chunk))
+            d.create_receiver(rid).init(dst[::-1] if scattered else dst, 0)
         fab.pump()
         work = [[list(range((r * chunks + c) * per_chunk, (r * chunks + c + 1) * per_chunk)) for r in range(rooms)]
                 for c in range(chunks)]  # fmt: skip
@@ -383,6 +394,17 @@ def bench_nixl_paths(reps: int, hot_path: dict[str, Any]) -> dict[str, Any]:
             out[f"{per}_{api}"] = bench_nixl_path(per, api, reps=reps)
     # the tail's baseline: the same case with no flush hint (the held writes wait for a poller round)
     out["16_send"]["tail_no_flush_us"] = bench_nixl_path(16, "send", reps=reps, flush=False)["tail_us"]
+    # scattered chunks (a segment per page), their runs coalesced into a SegmentArray; baseline:
+    # the same chunks coalesced into a list of Segments (as below COALESCE_ARRAY_MIN pages)
+    from kvfsm.runtime import manager
+
+    out["256_scattered_send"] = bench_nixl_path(256, "send", chunks=4, reps=reps, scattered=True)
+    threshold, manager.COALESCE_ARRAY_MIN = manager.COALESCE_ARRAY_MIN, 1 << 62
+    try:
+        listed = bench_nixl_path(256, "send", chunks=4, reps=reps, scattered=True)
+    finally:
+        manager.COALESCE_ARRAY_MIN = threshold
+    out["256_scattered_send"]["segments_engine_us"] = listed["engine_us"]
     return out
 
 
