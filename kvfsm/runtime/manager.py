@@ -103,8 +103,9 @@ def coalesce(
     src_pages: Sequence[int], dst_pages: Sequence[int], page_bytes: int, *, one_run: bool = False
 ) -> Sequence[Segment]:
     """Turn page pairs into as few contiguous segments as possible (one per run): a list, or a
-    ``SegmentArray`` for ``COALESCE_ARRAY_MIN`` pages or more. ``one_run``: the caller already
-    knows both lists are one ascending run each (``PostWrite.contiguous``)."""
+    ``SegmentArray`` for ``COALESCE_ARRAY_MIN`` pages or more that are not one run on both
+    sides. ``one_run``: the caller already knows both lists are one ascending run each
+    (``PostWrite.contiguous``)."""
     n = len(src_pages)
     if n and n == len(dst_pages):
         s0, d0 = src_pages[0], dst_pages[0]
