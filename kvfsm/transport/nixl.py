@@ -450,6 +450,10 @@ class NixlDataPlane:
                 jobs = self._take_held()
         if jobs:
             self._post_locked(jobs)
+        self._hurry_poller()
+
+    def _hurry_poller(self) -> None:
+        """End the poller's sleep between rounds now (or its next one, if it is not asleep)."""
         try:
             self._hurry.release()
         except RuntimeError:  # released already: the poller's next sleep ends at once
@@ -584,6 +588,7 @@ class NixlDataPlane:
             self._closed = True
             self._routes.clear()
         self._wake.set()
+        self._hurry_poller()  # a poller asleep between busy rounds (busy_poll_s) ends its sleep too
         with self._queued:
             self._queued.notify_all()
         self._poster.join(timeout=10)

@@ -361,6 +361,31 @@ def test_after_a_flush_the_poller_watches_the_transfers_closely_until_the_next_w
         b.close()
 
 
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_close_wakes_a_poller_asleep_between_busy_rounds() -> None:
+    """A transfer in flight puts the poller to sleep for ``busy_poll_s`` between rounds (a minute
+    here); ``close()`` ends that sleep: the poller thread is gone when close returns, well before
+    its joining gives up (10 s)."""
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    block = 4096
+    a = NixlDataPlane("close-a", caller_posts="always", busy_poll_s=60.0)
+    b = NixlDataPlane("close-b")
+    src = np.random.default_rng(8).integers(0, 256, 2 * block, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    try:
+        _connect(a, b, src, dst, block, lambda item: None, lambda item: None)
+        a.agent = _SlowAgent(a.agent, 60.0)
+        a.write(b.name, "kv", [Segment(0, 0, block)], b"0", ("c", 0))
+        time.sleep(0.2)  # the write's round has run: the poller sleeps until the next busy round
+        t0 = time.monotonic()
+        a.close()
+        assert time.monotonic() - t0 < 5 and not a._poller.is_alive()
+    finally:
+        a.close()
+        b.close()
+
+
 def _hold_then_wait(plane: Any, first: Any, last: Any, posting: bool = False) -> tuple[bool, int, bool]:
     """Run ``first`` and then ``last`` on threads while ``plane``'s agent lock is taken (and, if
     ``posting``, a post counted as under way); returns (``first`` returned, writes held then,
