@@ -770,22 +770,20 @@ class NixlDataPlane:
         self, op: str, region: str, p: _Peer, segs: Sequence[Segment]
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """Block indices of both sides if every segment is block-aligned on both, else None
-        (computed on arrays: a scattered chunk has a segment per page)."""
+        (a SegmentArray's computed on its arrays, a long scattered chunk having a segment per
+        page; a list's in Python)."""
         if len(segs) < PREPPED_MIN_RUNS:  # (use_prepped's first test, before summing lengths)
             return None
         lblk = self._blocks.get(region, 0)
         rblk = p.regions[region].block
         if not lblk or lblk != rblk or region not in p.prepped:
             return None
-        if type(segs) is SegmentArray:
-            src, dst, lengths = segs.src, segs.dst, segs.length
-        else:
-            src = np.array([s.src for s in segs], dtype=np.int64)
-            dst = np.array([s.dst for s in segs], dtype=np.int64)
-            lengths = np.array([s.length for s in segs], dtype=np.int64)
-        if not use_prepped(len(segs), int(lengths.sum()) // lblk):
+        if type(segs) is not SegmentArray:  # a list (fewer than COALESCE_ARRAY_MIN pages): numpy costs more
+            return self._list_block_indices(op, lblk, segs)
+        if not use_prepped(len(segs), int(segs.length.sum()) // lblk):
             return None
-        loffs, roffs = (src, dst) if op == "WRITE" else (dst, src)
+        lengths = segs.length
+        loffs, roffs = (segs.src, segs.dst) if op == "WRITE" else (segs.dst, segs.src)
         if bool(((loffs % lblk) | (roffs % lblk) | (lengths % lblk)).any()):
             return None
         counts = lengths // lblk
@@ -797,6 +795,27 @@ class NixlDataPlane:
         return (np.repeat(lfirst, counts) + within).astype(np.int32), (np.repeat(rfirst, counts) + within).astype(
             np.int32
         )
+
+    @staticmethod
+    def _list_block_indices(op: str, lblk: int, segs: Sequence[Segment]) -> tuple[np.ndarray, np.ndarray] | None:
+        """``_block_indices`` of a list of segments, in Python: for a few dozen segments ~4x
+        cheaper than numpy's calls (16 segments: 2.9 µs against 11 µs here)."""
+        if not use_prepped(len(segs), sum(s.length for s in segs) // lblk):
+            return None
+        lidx: list[int] = []
+        ridx: list[int] = []
+        for s in segs:
+            loff, roff = (s.src, s.dst) if op == "WRITE" else (s.dst, s.src)
+            n = s.length
+            if loff % lblk or roff % lblk or n % lblk:
+                return None
+            if n == lblk:  # a block per segment (scattered pages)
+                lidx.append(loff // lblk)
+                ridx.append(roff // lblk)
+            else:
+                lidx += range(loff // lblk, (loff + n) // lblk)
+                ridx += range(roff // lblk, (roff + n) // lblk)
+        return np.array(lidx, dtype=np.int32), np.array(ridx, dtype=np.int32)
 
     def _post_loop(self) -> None:
         """The posting thread: takes every queued job and posts them, folded (``fold``) into as
