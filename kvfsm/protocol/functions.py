@@ -234,39 +234,54 @@ def hold_chunk(room: PrefillRoom, ev: ChunkReady, ctx: StepContext, arg: str) ->
     room.last_seen = ev.is_last
 
 
-def _post(room: PrefillRoom, chunk: ChunkReady, ctx: StepContext) -> None:
+def advance(room: PrefillRoom, chunk: ChunkReady) -> tuple[int, ChunkWritten, list[tuple[int, Pages, bool]]]:
+    """Take ``chunk`` as the room's next one: (its chunk id, its notification, the same for
+    every decode rank, and per decode rank in rank order (rank, destination pages, whether both
+    page lists are one ascending run each)). The cursor, the next chunk id, the pending writes
+    (the KV; with the last chunk the aux write too) and ``last_seen`` advance."""
     chunk_id = room.next_chunk
     pages = chunk.pages
     n = len(pages)
     start = room.cursor
-    note = ChunkWritten(room.room, room.rank, chunk_id, chunk.is_last, start, n)  # the same for every dest
+    note = ChunkWritten(room.room, room.rank, chunk_id, chunk.is_last, start, n)
     run = page_summary(pages)[3]  # one ascending run: with the dest's pages one too, one segment
     dests = room.dests
-    out = ctx.out
+    inflight = room.inflight
+    writes = []
     for dest, ann in dests.items() if len(dests) == 1 else sorted(dests.items()):
         dst = (ann.span if n >= RUN_MIN and ann.span is not None else ann.pages)[start : start + n]
-        out.append(PostWrite(room.room, dest, chunk_id, pages, dst, note, ann.run and run))
-        room.inflight.add((dest, chunk_id))
+        writes.append((dest, dst, ann.run and run))
+        inflight.add((dest, chunk_id))
         if chunk.is_last:
-            assert chunk.aux_slot is not None  # chunk_ok
-            aux_note = AuxWritten(room.room, room.rank)
-            out.append(PostAuxWrite(room.room, dest, chunk.aux_slot, ann.aux_slot, aux_note))
-            room.inflight.add((dest, AUX_WRITE))
+            inflight.add((dest, AUX_WRITE))
     room.cursor = start + n
     room.next_chunk = chunk_id + 1
     room.last_seen = chunk.is_last
+    return chunk_id, note, writes
+
+
+def _post(room: PrefillRoom, chunk: ChunkReady, out: list[Action]) -> None:
+    """Post ``chunk``'s writes (and the aux writes, with the last chunk) to every decode rank:
+    actions appended to ``out`` (see ``advance``)."""
+    chunk_id, note, writes = advance(room, chunk)
+    for dest, dst, contiguous in writes:
+        out.append(PostWrite(room.room, dest, chunk_id, chunk.pages, dst, note, contiguous))
+        if chunk.is_last:
+            assert chunk.aux_slot is not None  # chunk_ok
+            aux_note = AuxWritten(room.room, room.rank)
+            out.append(PostAuxWrite(room.room, dest, chunk.aux_slot, room.dests[dest].aux_slot, aux_note))
 
 
 @action("post_chunk")
 def post_chunk(room: PrefillRoom, ev: ChunkReady, ctx: StepContext, arg: str) -> None:
-    _post(room, ev, ctx)
+    _post(room, ev, ctx.out)
 
 
 @action("post_held")
 def post_held(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
     held, room.held = room.held, []
     for chunk in held:
-        _post(room, chunk, ctx)
+        _post(room, chunk, ctx.out)
 
 
 @action("complete_write")

@@ -1,0 +1,112 @@
+"""Fast rows: the two prefill rows taken once per chunk and once per write, applied directly.
+
+Theory of operation
+-------------------
+In steady state a prefill room takes row P11 for every chunk but its last (a chunk while
+``Transferring.Sending``: post it, re-arm the transfer timer) and row P15 for every completed
+write but its last (forget the write, re-arm the timer). The generic step (``RoomMachine.step``)
+builds a context, tests the rows of the (state, trigger) in order through the guard functions,
+calls the action functions, which emit action objects, and the runtime then dispatches those by
+type; for these two rows that machinery costs more than the rows' own work (``bench/core.py``
+``nixl_path``: the engine's CPU per chunk with and without this module).
+
+``chunk`` and ``completion`` apply those rows directly: the same tests (the guards' own helpers),
+the same changes to the room, and they return only what the runtime must still carry out. They
+are an optimisation of the spec, never a second definition of it:
+
+* ``applies(machine)`` is true only if the machine's compiled rows for the (state, trigger)
+  pairs involved are exactly the rows implemented here (row ids, guard and action functions by
+  identity, action arguments, destinations). An edited spec or a mutant (``kvfsm.check.mutants``)
+  turns the fast rows off and every event takes the generic step;
+* each function returns None or False, the room untouched, wherever the generic step would take
+  any other row (an invalid chunk, one that does not fit, the last chunk, an unknown write, a
+  draining room's last write), and the caller then steps the event generically;
+* ``tests/protocol/test_fastpath.py`` steps random events both ways and compares the rooms and
+  the actions, and the runtime's own tests run with the fast rows on and off.
+
+Pure: no I/O, no clock (the caller sets the timer deadlines it is told to arm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvfsm.protocol import functions as f
+from kvfsm.protocol.events import ChunkReady
+from kvfsm.protocol.machine import RoomMachine
+from kvfsm.protocol.pages import Pages
+from kvfsm.protocol.rooms import PrefillRoom
+from kvfsm.protocol.wire import ChunkWritten
+
+SENDING = "Transferring.Sending"
+DRAINING = "Transferring.Draining"
+TIMER = "transfer"  # the timer both rows arm
+INPUT = "input"  # the timer P11 cancels
+
+_Row = tuple[
+    str, tuple[Callable[..., Any], ...], tuple[Callable[..., Any], ...], str | None, tuple[tuple[Any, str], ...]
+]
+_CHUNK: tuple[_Row, ...] = (
+    ("P9", (f.chunk_ok,), (f.chunk_fits,), "Failed",
+     ((f.fail, "page count mismatch"), (f.tell_decode, "failed"), (f.tell_drained, ""), (f.cancel_timers, ""))),
+    ("P10", (f.chunk_ok, f.chunk_is_last), (), DRAINING, ((f.cancel, INPUT), (f.post_chunk, ""), (f.arm, TIMER))),
+    ("P11", (f.chunk_ok,), (), SENDING, ((f.cancel, INPUT), (f.post_chunk, ""), (f.arm, TIMER))),
+)  # fmt: skip
+_UNKNOWN_WRITE: _Row = ("P13", (), (f.write_pending,), None, ((f.ignore, "completion of unknown write"),))
+_PROGRESS: _Row = ("P15", (), (), None, ((f.complete_write, ""), (f.arm, TIMER)))
+_FINAL: _Row = ("P14", (f.write_is_final,), (), "Success", ((f.complete_write, ""), (f.cancel, TIMER)))
+# the rows each (state, trigger) must have, in order, for the fast rows to stand in for them
+EXPECTED: dict[tuple[str, str], tuple[_Row, ...]] = {
+    (SENDING, "chunk_ready"): _CHUNK,
+    (SENDING, "write_completed"): (_UNKNOWN_WRITE, _PROGRESS),
+    (DRAINING, "write_completed"): (_UNKNOWN_WRITE, _FINAL, _PROGRESS),
+}
+
+
+def applies(machine: RoomMachine) -> bool:
+    """Do ``machine``'s compiled rows match the rows implemented here, exactly?"""
+    for key, want in EXPECTED.items():
+        rows = machine.table.get(key)
+        got = tuple((r.row_id, r.conditions, r.unless, r.dest, r.actions) for r in rows or ())
+        if got != want:
+            return False
+    return True
+
+
+def chunk(room: PrefillRoom, ev: ChunkReady) -> tuple[int, ChunkWritten, list[tuple[int, Pages, bool]], bool] | None:
+    """Row P11 for ``ev`` where the generic step takes it: the room updated as P11 updates it,
+    and what its actions leave to the caller: the chunk's writes as ``functions.advance`` gives
+    them (chunk id, notification, per decode rank (rank, destination pages, contiguous): a
+    PostWrite each, of ``ev.pages``) and whether the input timer was armed (P11 cancels it). The
+    transfer timer is armed in ``room.timers``: the caller sets its deadline. None, the room
+    untouched, where the generic step would take another row or none."""
+    if room.state != SENDING or ev.is_last:
+        return None
+    if f._chunk_problem(room, ev) or not f._fits(room.dests.values(), room.cursor + len(ev.pages), False):
+        return None  # P9 (a chunk that does not fit) or no row (an invalid chunk): generic
+    timers = room.timers
+    cancelled = INPUT in timers
+    if cancelled:
+        timers.discard(INPUT)
+    chunk_id, note, writes = f.advance(room, ev)
+    timers.add(TIMER)
+    room.last_row = "P11"
+    return chunk_id, note, writes, cancelled
+
+
+def completion(room: PrefillRoom, dest: int, chunk_id: int) -> bool:
+    """Row P15 for WriteCompleted(dest, chunk_id) where the generic step takes it (a pending
+    write, not the last of a draining room): the write forgotten and the transfer timer armed in
+    ``room.timers`` (the caller sets its deadline). False, the room untouched, otherwise."""
+    inflight = room.inflight
+    key = (dest, chunk_id)
+    if key not in inflight:
+        return False  # P13 (an unknown or duplicate completion), or not Transferring
+    state = room.state
+    if state != SENDING and (state != DRAINING or len(inflight) == 1):
+        return False  # P14 (the last write: Success) or another state
+    inflight.discard(key)
+    room.timers.add(TIMER)
+    room.last_row = "P15"
+    return True

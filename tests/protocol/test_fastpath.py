@@ -1,0 +1,208 @@
+"""The fast rows (``kvfsm.protocol.fastpath``) change a room exactly as the generic step does.
+
+Random event sequences from a random reachable prefill room: before each chunk and each write
+completion, the fast row is tried on one copy of the room and the generic step on another. Where
+the fast row applies, both rooms end equal and the generic step's actions are exactly what the
+fast row left to the caller (the input timer's cancellation, the writes, the transfer timer);
+where it does not, its copy is untouched. The rows must also be the spec's: a spec whose rows
+for these (state, trigger) pairs differ turns the fast rows off.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+from hypothesis import event as label
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from protocol_kit import (
+    ALL_TRIGGERS,
+    KV_PAGES,
+    MACHINES,
+    SPEC,
+    announce,
+    any_reachable,
+    event_for,
+    new_room,
+    ready,
+    snapshot,
+)
+
+from kvfsm.check.mutants import MUTANTS, mutated_protocol
+from kvfsm.protocol import CancelTimer, LocalProtocolError, PostWrite, Protocol, SetTimer, fastpath
+from kvfsm.protocol.events import ChunkReady, WriteCompleted
+from kvfsm.protocol.spec import ProtocolSpec
+
+M = MACHINES["prefill"]
+TRANSFER_S = M.timeouts[fastpath.TIMER]
+
+
+def _fields(actions):
+    """Actions as comparable values (PostWrite's derived ``contiguous`` is left out of ``==``)."""
+    return [(type(a).__name__, dataclasses.astuple(a), getattr(a, "contiguous", None)) for a in actions]
+
+
+def check_chunk(room, ev: ChunkReady, now: float) -> bool:
+    fast, generic = copy.deepcopy(room), copy.deepcopy(room)
+    got = fastpath.chunk(fast, ev)
+    if got is None:
+        assert snapshot(fast) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
+        return False
+    actions = M.step(generic, ev, now)  # the fast row applied: the generic step must accept it too
+    chunk_id, note, writes, cancelled = got
+    want = [CancelTimer(fastpath.INPUT)] if cancelled else []
+    want += [PostWrite(room.room, d, chunk_id, ev.pages, dst, note, run) for d, dst, run in writes]
+    want.append(SetTimer(fastpath.TIMER, now + TRANSFER_S))
+    assert _fields(actions) == _fields(want), f"{ev} in {room.state}"
+    assert generic.last_row == "P11"
+    assert snapshot(fast) == snapshot(generic), f"{ev} in {room.state}: rooms differ"
+    return True
+
+
+def check_completion(room, ev: WriteCompleted, now: float) -> bool:
+    fast, generic = copy.deepcopy(room), copy.deepcopy(room)
+    if not fastpath.completion(fast, ev.dest_rank, ev.chunk_id):
+        assert snapshot(fast) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
+        return False
+    actions = M.step(generic, ev, now)
+    assert _fields(actions) == _fields([SetTimer(fastpath.TIMER, now + TRANSFER_S)]), f"{ev} in {room.state}"
+    assert generic.last_row == "P15"
+    assert snapshot(fast) == snapshot(generic), f"{ev} in {room.state}: rooms differ"
+    return True
+
+
+# chunks and completions most of the time, anything else (aborts, timers, ...) now and then
+_TRIGGERS = st.sampled_from(["chunk_ready"] * 7 + ["write_completed"] * 7 + ["any"] * 2).flatmap(
+    lambda t: st.sampled_from(ALL_TRIGGERS) if t == "any" else st.just(t)
+)
+_PAGES = st.lists(st.integers(0, KV_PAGES - 1), unique=True, max_size=KV_PAGES)
+
+
+@st.composite
+def _announced(draw):
+    """A room that 1-3 decode ranks announced (a run of pages, or any distinct pages, up to the
+    whole region: long runs are sliced as PageRuns), no chunk handed over yet or a few."""
+    dests = draw(st.lists(st.integers(0, 3), unique=True, min_size=1, max_size=3))
+    n = draw(st.integers(1, KV_PAGES))
+    room = new_room("prefill", required_dests=len(dests))
+    for d in dests:
+        first = draw(st.integers(0, KV_PAGES - n))
+        pages = draw(st.just(tuple(range(first, first + n))) | st.permutations(range(KV_PAGES)).map(lambda p: p[:n]))
+        M.step(room, announce(pages, dest=d, required=len(dests)), 1.0)
+    return room
+
+
+@st.composite
+def _chunk(draw, room):
+    """A chunk that mostly fits what decode announced (the last one ends exactly there, mostly),
+    a run of pages or any distinct ones."""
+    dests = getattr(room, "dests", {})
+    left = max(0, min((len(a.pages) for a in dests.values()), default=4) - getattr(room, "cursor", 0))
+    last = draw(st.integers(0, 7)) == 0
+    n = draw(st.just(left) if last else st.integers(1, max(1, min(left, 8)))) + draw(st.sampled_from([0] * 9 + [1]))
+    first = draw(st.integers(0, max(0, KV_PAGES - n)))
+    pages = draw(st.just(tuple(range(first, first + n))) | st.permutations(range(KV_PAGES)).map(lambda p: p[:n]))
+    return ready(pages, last=last)
+
+
+def _event(data, trigger, room):
+    if trigger == "chunk_ready" and data.draw(st.integers(0, 7), label="fitting"):
+        return data.draw(_chunk(room), label="event")
+    if (
+        trigger == "write_completed"
+        and getattr(room, "inflight", None)
+        and data.draw(st.integers(0, 3), label="pending")
+    ):
+        return WriteCompleted(*data.draw(st.sampled_from(sorted(room.inflight)), label="event"))
+    return data.draw(event_for(trigger, room), label="event")
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_fast_rows_change_a_room_as_the_generic_step_does(data):
+    now = 0.0
+    if data.draw(st.booleans(), label="announced"):
+        room = data.draw(_announced(), label="room")
+    else:
+        path = data.draw(any_reachable("prefill"), label="path")
+        room = new_room("prefill", **dict(path.kwargs))
+        for event in path.events:
+            now += 1.0
+            M.step(room, event, now)
+    for _ in range(data.draw(st.integers(1, 24), label="n")):
+        trigger = data.draw(_TRIGGERS, label="trigger")
+        event = _event(data, trigger, room)
+        now += data.draw(st.floats(0.0, 50.0), label="dt")
+        if trigger == "chunk_ready" and check_chunk(room, event, now):
+            label("fast P11")
+        if trigger == "write_completed" and check_completion(room, event, now):
+            label("fast P15")
+        try:
+            M.step(room, event, now)
+        except LocalProtocolError:
+            pass  # misuse: the room is unchanged
+
+
+def _sending_room(dests=(0,), pages_per_dest=8):
+    """A room announced by ``dests`` and one chunk in: Transferring.Sending, its input timer gone."""
+    room = new_room("prefill", required_dests=len(dests))
+    for d in dests:
+        M.step(room, announce(range(10 * d, 10 * d + pages_per_dest), dest=d, required=len(dests)), 1.0)
+    M.step(room, ready([0, 1]), 2.0)
+    assert room.state == fastpath.SENDING and fastpath.INPUT not in room.timers
+    return room
+
+
+@pytest.mark.parametrize("dests", [(0,), (2, 0, 1)])
+def test_a_steady_chunk_and_its_completion_take_the_fast_rows(dests):
+    room = _sending_room(dests)
+    assert check_chunk(room, ready([5, 6, 7]), 3.0)  # (one run here, not at decode rank 0: 12, 13, 14)
+    M.step(room, ready([5, 6, 7]), 3.0)
+    assert check_completion(room, WriteCompleted(dests[0], 0), 4.0)
+    assert not check_completion(room, WriteCompleted(dests[0], 9), 4.0)  # no such write: P13
+    assert not check_chunk(room, ready([3, 4], last=True), 5.0)  # the last chunk: P10
+    assert not check_chunk(room, ready([3, 4, 8, 9]), 5.0)  # beyond decode's 8 pages: P9
+    assert not check_chunk(room, ready([3, 3]), 5.0)  # an invalid chunk: no row
+
+
+def test_the_input_timer_is_cancelled_as_p11_does():
+    room = _sending_room()
+    room.timers.add(fastpath.INPUT)  # (as armed by a row that leaves it running)
+    assert check_chunk(room, ready([2, 3]), 3.0)
+
+
+def test_the_last_write_of_a_draining_room_takes_the_generic_step():
+    room = _sending_room()
+    M.step(room, ready(range(2, 8), last=True), 3.0)
+    assert room.state == fastpath.DRAINING
+    pending = sorted(room.inflight)
+    for d, c in pending[:-1]:
+        assert check_completion(room, WriteCompleted(d, c), 4.0)
+        M.step(room, WriteCompleted(d, c), 4.0)
+    assert not check_completion(room, WriteCompleted(*pending[-1]), 5.0)  # P14: Success
+    M.step(room, WriteCompleted(*pending[-1]), 5.0)
+    assert room.state == "Success"
+
+
+def _edited(row_id: str, **change) -> ProtocolSpec:
+    ms = SPEC.machines["prefill_room"]
+    rows = tuple(dataclasses.replace(r, **change) if r.id == row_id else r for r in ms.rows)
+    return dataclasses.replace(SPEC, machines={**SPEC.machines, "prefill_room": dataclasses.replace(ms, rows=rows)})
+
+
+def test_the_fast_rows_apply_to_the_shipped_spec_only():
+    assert fastpath.applies(Protocol(SPEC).prefill)
+    assert not fastpath.applies(Protocol(SPEC).decode)
+    # P15 without re-arming the timer, or P11 posting nothing: not the rows implemented here
+    assert not fastpath.applies(Protocol(_edited("P15", actions=("complete_write",))).prefill)
+    assert not fastpath.applies(Protocol(_edited("P11", actions=("cancel:input", "arm:transfer"))).prefill)
+    assert not fastpath.applies(Protocol(_edited("P10", guards=("chunk_ok",))).prefill)
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_a_mutant_that_rewrites_these_rows_turns_them_off(name):
+    mutated = mutated_protocol(name).prefill
+    same = all(mutated.table.get(k) == M.table.get(k) for k in fastpath.EXPECTED)
+    assert fastpath.applies(mutated) == same, name
