@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from operator import attrgetter
 from typing import Any
 
-from kvfsm.protocol import LocalProtocolError, PostAuxWrite, PostWrite, Protocol
+from kvfsm.protocol import LocalProtocolError, PostAuxWrite, PostWrite, Protocol, fastpath
 from kvfsm.protocol.events import (
     AUX_WRITE,
     Abort,
@@ -19,10 +19,20 @@ from kvfsm.protocol.events import (
     WriteCompleted,
     WriteFailed,
 )
+from kvfsm.protocol.pages import Pages
 from kvfsm.protocol.rooms import PrefillRoom
-from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
+from kvfsm.protocol.wire import (
+    AbortNotice,
+    ChunkWritten,
+    Drained,
+    Message,
+    Register,
+    RegisterAck,
+    RoomFailed,
+    RoomPages,
+)
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, as_index, as_pages, coalesce, log
-from kvfsm.transport.base import Segment, SegmentArray, Write, write_many
+from kvfsm.transport.base import Inbound, Segment, SegmentArray, Write, write_many
 
 _LENGTH = attrgetter("length")  # of a Segment (map in C: one write has one segment, mostly)
 WriteTag = tuple[int, int, int]  # (room, dest_rank, chunk_id | AUX_WRITE): the transport's completion tag
@@ -46,7 +56,7 @@ class KVSender(RoomHandle):
         decode announced its pages are held (scenario 2). Raises LocalProtocolError on misuse (a
         chunk after the last, pages outside the KV region, indices that are not integers)."""
         slot = None if aux_slot is None else as_index(aux_slot, "aux_slot")
-        self.manager._local(self.room, ChunkReady(as_pages(pages), bool(is_last), slot))
+        self.manager._chunk(self.room, ChunkReady(as_pages(pages), bool(is_last), slot))
 
 
 class PrefillManager(Manager):
@@ -63,6 +73,11 @@ class PrefillManager(Manager):
         self._batch: list[Write] | None = None  # writes of a send_many(), handed over together
         self._batch_bytes = self._batch_segments = 0  # ... and their bytes and segments
         self._batch_aux: list[Write] = []  # ... its aux writes: handed over at its end, together
+        # rows P11 and P15 applied directly (kvfsm.protocol.fastpath) where this machine's rows
+        # are exactly those; off, every chunk and completion takes the generic step
+        self.fast_rows = fastpath.applies(self.machine)
+        self._fast_posting = False  # carrying out P11's posts: its room is stepped, others may be (see _fast_ok)
+        self._transfer_s = self.machine.timeouts.get(fastpath.TIMER, 0.0)
 
     def create_sender(self, room: int) -> KVSender:
         """Create room ``room`` on this rank. Messages that arrived for it earlier are applied now."""
@@ -98,7 +113,7 @@ class PrefillManager(Manager):
             try:
                 for item in chunks:
                     rid, event = self._chunk_item(item)
-                    self._local(rid, event)
+                    self._chunk(rid, event)
             finally:
                 if outer is None:
                     batch, self._batch = self._batch, None
@@ -118,6 +133,49 @@ class PrefillManager(Manager):
         is_last = bool(item[2]) if len(item) > 2 else False
         event = ChunkReady(as_pages(item[1]), is_last, None if slot is None else as_index(slot, "aux_slot"))
         return as_index(room, "room"), event
+
+    def _chunk(self, rid: int, event: ChunkReady) -> None:
+        """The engine's chunk: row P11 applied directly where it is the row taken (fastpath),
+        else the generic step (``_local``: misuse raises LocalProtocolError, the room unchanged)."""
+        with self._lock:
+            rt = self._rooms.get(rid)
+            if rt is not None and self.fast_rows and not self._draining and not self._queue:
+                done = fastpath.chunk(rt.room, event)
+                if done is not None:
+                    self._chunk_posted(rt, event.pages, done)
+                    return
+            self._local(rid, event)
+
+    def _fast_ok(self) -> bool:
+        """May a completion take row P15 directly now? Only with nothing queued before it (events
+        apply in order) and no room in the middle of a generic step (run to completion). While
+        a chunk of P11 is being posted its room is already stepped, so a write that a posting
+        caller finds completed meanwhile (the NIXL data plane completes transfers as it posts)
+        takes it too, instead of waiting in the queue for the post's end."""
+        return self.fast_rows and not self._queue and (not self._draining or self._fast_posting)
+
+    def _chunk_posted(
+        self, rt: RoomRuntime, pages: Pages, done: tuple[int, ChunkWritten, list[tuple[int, Pages, bool]], bool]
+    ) -> None:
+        """Carry out row P11's actions as ``_execute`` would (cancel the input timer, post the
+        writes, arm the transfer timer), events raised meanwhile (a write that fails at once)
+        stepped afterwards, as ``_local`` does."""
+        chunk_id, note, writes, cancelled = done
+        now = self.clock()
+        rid = rt.room.room
+        if cancelled:
+            self._timers.cancel(rid, fastpath.INPUT)
+        if rt.started is None:
+            rt.started = now
+        self._draining = self._fast_posting = True
+        try:
+            for dest, dst, contiguous in writes:
+                self._post_kv(rt, dest, chunk_id, pages, dst, note, contiguous)
+        finally:
+            self._draining = self._fast_posting = False
+        self._timers.set(rid, fastpath.TIMER, now + self._transfer_s)
+        if self._queue:
+            self._drain()
 
     # ------------------------------------------------------------------ inbound
 
@@ -249,9 +307,32 @@ class PrefillManager(Manager):
             self._count_drop("completion_for_gone_room", f"room {rid}")
             return
         if ok:
+            if self._fast_ok() and fastpath.completion(self._rooms[rid].room, dest, chunk_id):
+                # row P15 applied directly (fastpath): arm the transfer timer as its action does
+                self._timers.set(rid, fastpath.TIMER, self.clock() + self._transfer_s)
+                return
             self._dispatch(rid, WriteCompleted(dest, chunk_id))
         else:
             self._dispatch(rid, WriteFailed(dest, chunk_id, reason))
+
+    def _on_completions(self, item: Inbound) -> None:
+        """A transfer's completed writes: row P15 applied directly to each where it is the row
+        taken (fastpath), the transfer timer armed as its action does; any other write (a room's
+        last, an unknown one) through ``_on_completion``, in order. Never raises."""
+        if not self._fast_ok():
+            super()._on_completions(item)
+            return
+        rooms, timers, complete = self._rooms, self._timers, fastpath.completion
+        deadline = self.clock() + self._transfer_s
+        for tag in item.tag:  # type: ignore[attr-defined]
+            rt = rooms.get(tag[0]) if type(tag) is tuple and len(tag) == 3 else None
+            if rt is not None and not self._queue and complete(rt.room, tag[1], tag[2]):
+                timers.set(tag[0], fastpath.TIMER, deadline)
+                continue
+            try:
+                self._on_completion(tag, True, "")
+            except Exception:  # noqa: BLE001 - as Manager._on_completions
+                self._internal_error(item)
 
     def _on_peer_lost(self, peer: str, reason: str) -> None:
         rank = self._peer_ranks.pop(peer, None)
@@ -266,19 +347,35 @@ class PrefillManager(Manager):
     # ------------------------------------------------------------------ writes
 
     def _post(self, rt: RoomRuntime, action: PostWrite | PostAuxWrite) -> None:
-        chunk_id = action.chunk_id if isinstance(action, PostWrite) else AUX_WRITE
-        tag = (action.room, action.dest_rank, chunk_id)
+        if isinstance(action, PostWrite):
+            a = action
+            self._post_kv(rt, a.dest_rank, a.chunk_id, a.src_pages, a.dst_pages, a.notification, a.contiguous)
+            return
+        tag = (action.room, action.dest_rank, AUX_WRITE)
         try:
-            if isinstance(action, PostWrite):
-                segments = coalesce(action.src_pages, action.dst_pages, self.page_bytes, one_run=action.contiguous)
-                region = "kv"
-            else:
-                segments = coalesce((action.src_slot,), (action.dst_slot,), self.aux_slot_bytes)
-                region = "aux"
+            segments = coalesce((action.src_slot,), (action.dst_slot,), self.aux_slot_bytes)
             note = self.codec.encode(action.notification)
         except Exception as exc:  # noqa: BLE001 - the write fails, not the step (the room has moved on)
             self._fail_write(tag, exc)
             return
+        self._hand(rt, tag, "aux", segments, note)
+
+    def _post_kv(
+        self, rt: RoomRuntime, dest: int, chunk_id: int, src: Pages, dst: Pages, notification: Message, contiguous: bool
+    ) -> None:
+        """Post one KV write (a PostWrite's fields: row P11 posts without building one)."""
+        tag = (rt.room.room, dest, chunk_id)
+        try:
+            segments = coalesce(src, dst, self.page_bytes, one_run=contiguous)
+            note = self.codec.encode(notification)
+        except Exception as exc:  # noqa: BLE001 - the write fails, not the step (the room has moved on)
+            self._fail_write(tag, exc)
+            return
+        self._hand(rt, tag, "kv", segments, note)
+
+    def _hand(self, rt: RoomRuntime, tag: WriteTag, region: str, segments: Sequence[Segment], note: bytes) -> None:
+        """Hand a prepared write to the transport: to the batch of a send_many(), else to the
+        worker pool (inline with workers=0)."""
         nseg = len(segments)
         if nseg == 1:
             moved = segments[0].length
@@ -289,7 +386,7 @@ class PrefillManager(Manager):
         rt.bytes += moved
         rt.descriptors += nseg
         self.telemetry.count2("writes_posted", 1, "descriptors", nseg)
-        peer = self._peer_names.get(action.dest_rank)  # the route as it is now, when posted
+        peer = self._peer_names.get(tag[1])  # the route as it is now, when posted
         if self._batch is not None:  # send_many: handed over with the batch's other writes
             if region == "aux":
                 # at the batch's end, all together: handed over with a large chunk's KV instead,
@@ -303,7 +400,7 @@ class PrefillManager(Manager):
                 batch, self._batch, self._batch_bytes, self._batch_segments = self._batch, [], 0, 0
                 self._hand_batch(batch)
             return
-        self.pool.submit(action.room, self._write, (peer, region, segments, note, tag), self._write_failed)
+        self.pool.submit(tag[0], self._write, (peer, region, segments, note, tag), self._write_failed)
 
     def _hand_batch(self, batch: list[Write]) -> None:
         """The writes of a send_many(): one transfer job per worker shard (a room's writes stay on

@@ -1,0 +1,198 @@
+"""The prefill runtime with its fast rows (``kvfsm.protocol.fastpath``) behaves exactly as without.
+
+The same seeded run, with lost, duplicated and delayed messages and completions, writes that land
+late, completions handed over while a chunk is being posted (as the NIXL data plane hands over
+what it finds done when it posts), chunks handed over with ``send()`` and ``send_many()`` between
+deliveries, the clock moving on between them (transfer timeouts), and engine aborts, is played
+with the fast rows on and off: every write posted, and after every operation every room's status,
+the armed timers and both managers' telemetry, and in the end decode's bytes, must be the same.
+The fast rows must actually be taken in the run that has them.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kvfsm.check.mutants import mutated_protocol
+from kvfsm.protocol import KVPoll, LocalProtocolError, fastpath
+from kvfsm.protocol.events import Abort
+from kvfsm.runtime import prefill
+from kvfsm.testing import LoopbackCluster
+from kvfsm.transport.base import Inbound
+from kvfsm.transport.loopback import Faults
+
+ROOMS = 8
+PAGES = 24  # per room
+
+
+def _play(seed: int, fast: bool, taken: dict[str, int]) -> dict[str, Any]:
+    c = LoopbackCluster(
+        pages=ROOMS * PAGES,
+        seed=seed,
+        ordered=False,
+        faults=Faults(drop=0.05, dup=0.2, delay=0.3),
+        async_writes=True,
+        timeouts={"transfer": 10.0},
+    )
+    p, d = c.prefill[0], c.decode[0]
+    assert p.fast_rows  # the shipped spec's rows
+    p.fast_rows = fast
+    posted: list[Any] = []
+    write = p.endpoint.write
+
+    def spy(peer: str, region: str, segments: Any, note: bytes, tag: object) -> int:
+        posted.append((peer, region, [(s.src, s.dst, s.length) for s in segments], note, tag))
+        moved = write(peer, region, segments, note, tag)
+        if rng.random() < 0.3:
+            c.fabric.pump(rng.randint(1, 3))  # what is due now, handed over inside the post
+            flush()
+        return moved
+
+    p.endpoint.write = spy  # type: ignore[method-assign]
+    rng = random.Random(seed)
+
+    # Completions handed over as NIXL's poller does: the writes one transfer completed, together
+    # ("completions", to the batch handler), in the order they arrived.
+    handler, held = p.endpoint.handler, []
+
+    def batching(item: Inbound) -> None:
+        if item.kind == "completion" and item.ok and rng.random() < 0.7:
+            held.append(item.tag)
+            return
+        flush()
+        handler(item)
+
+    def flush() -> None:
+        if held:
+            tags = tuple(held)
+            held.clear()
+            p._on_inbound_batch([Inbound("completions", "decode/0", tag=tags)])
+
+    p.endpoint.handler = batching
+    recv = [d.create_receiver(r) for r in range(ROOMS)]
+    send = [p.create_sender(r) for r in range(ROOMS)]
+    polls: list[tuple[int, ...]] = []
+    timers: list[dict[int, dict[str, tuple[Any, ...]]]] = []
+    telemetry: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    def settle_some() -> None:
+        c.clock.advance(rng.choice([0.0, 0.0, 0.0, 0.5, 1.0]))  # type: ignore[attr-defined] # (transfer timeout: 10 s)
+        for m in c.managers:
+            m.tick()
+        c.settle(max_items=rng.randint(0, 4))  # completions and messages arrive later than the sends
+        flush()
+        polls.append(tuple(s.poll() for s in send) + tuple(r.poll() for r in recv))
+        timers.append({k: {t: tuple(e) for t, e in v.items()} for k, v in p._timers._armed.items()})
+        telemetry.append((p.telemetry.snapshot(), d.telemetry.snapshot()))
+
+    for r in range(ROOMS):
+        dst = list(range(r * PAGES, (r + 1) * PAGES))
+        recv[r].init(dst if r % 2 else dst[::-1], r)  # even rooms: a segment per page
+        settle_some()
+    cursor = [0] * ROOMS
+    while any(n < PAGES for n in cursor):
+        batch = []
+        for r in rng.sample(range(ROOMS), rng.randint(1, ROOMS)):
+            if cursor[r] >= PAGES:
+                continue
+            n = min(PAGES - cursor[r], rng.randint(1, 6))
+            pages = list(range(r * PAGES + cursor[r], r * PAGES + cursor[r] + n))
+            cursor[r] += n
+            last = cursor[r] == PAGES
+            batch.append((r, pages, last, r if last else None))
+        if rng.random() < 0.5:
+            p.send_many(batch)
+        else:
+            for r, pages, last, slot in batch:
+                try:
+                    send[r].send(pages, is_last=last, aux_slot=slot)
+                except LocalProtocolError:
+                    pass  # a room that failed meanwhile took its chunk as the generic step does
+        if rng.random() < 0.05:
+            send[rng.randrange(ROOMS)].abort("engine gave up")
+        elif rng.random() < 0.05:
+            recv[rng.randrange(ROOMS)].abort("engine gave up")
+        settle_some()
+    for _ in range(4):  # the rest delivered; writes whose completion was lost time out
+        c.settle()
+        flush()
+        c.advance(4.0)
+        settle_some()
+    out = {
+        "posted": posted,
+        "polls": polls,
+        "timers": timers,
+        "telemetry": telemetry,
+        "kv": bytes(c.dkv[0]),
+        "aux": bytes(c.daux[0]),
+    }
+    c.close()
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_fast_rows_change_nothing_the_runtime_does(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    taken = {"chunk": 0, "completion": 0}
+    chunk, completion = fastpath.chunk, fastpath.completion
+
+    def counted_chunk(*args: Any) -> Any:
+        got = chunk(*args)
+        taken["chunk"] += got is not None
+        return got
+
+    def counted_completion(*args: Any) -> bool:
+        got = completion(*args)
+        taken["completion"] += got
+        return got
+
+    monkeypatch.setattr(prefill.fastpath, "chunk", counted_chunk)
+    monkeypatch.setattr(prefill.fastpath, "completion", counted_completion)
+    slow = _play(seed, False, taken)
+    assert taken == {"chunk": 0, "completion": 0}
+    fast = _play(seed, True, taken)
+    assert taken["chunk"] > 10 and taken["completion"] > 10, taken
+    for key in slow:
+        assert fast[key] == slow[key], key
+    final = fast["polls"][-1]
+    assert KVPoll.Success in final and KVPoll.Failed in final  # (rooms reached both ends)
+
+
+def test_a_manager_on_a_spec_with_other_rows_takes_the_generic_step_only() -> None:
+    c = LoopbackCluster(protocol=mutated_protocol("drained_before_writes_done"))
+    try:
+        assert not c.prefill[0].fast_rows
+    finally:
+        c.close()
+
+
+def test_a_completion_behind_a_queued_event_waits_its_turn() -> None:
+    """While P11's writes are posted, a completion handed over meanwhile takes the fast row only
+    if no event is queued before it (events apply in order)."""
+    c = LoopbackCluster(async_writes=True)
+    try:
+        p = c.prefill[0]
+        c.decode[0].create_receiver(1).init(list(range(8)), 0)
+        s = p.create_sender(1)
+        c.settle()
+        s.send([0, 1])
+        s.send([2, 3])  # the fast row; its write pending
+        room = p._rooms[1].room
+        assert (0, 1) in room.inflight and room.state == fastpath.SENDING
+        with p._lock:
+            p._draining = p._fast_posting = True  # as inside _chunk_posted
+            p._queue.append((1, Abort("queued first")))
+            p._on_completion((1, 0, 1), True, "")
+            assert (0, 1) in room.inflight and len(p._queue) == 2  # queued behind the abort
+            p._queue.clear()
+            # in one transfer's completions: an unknown write (the generic step: queued), then ours
+            p._on_inbound_batch([Inbound("completions", "decode/0", tag=((1, 0, 99), (1, 0, 1)))])
+            assert (0, 1) in room.inflight and len(p._queue) == 2
+            p._queue.clear()
+            p._on_completion((1, 0, 1), True, "")
+            assert (0, 1) not in room.inflight and room.last_row == "P15"  # nothing before it: fast
+            p._draining = p._fast_posting = False
+    finally:
+        c.close()
