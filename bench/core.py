@@ -20,6 +20,9 @@
             as a list of ``Segment``s. ``tail_us``: from the last
             hand-over until every room's Success (``Manager.wait``); its baseline
             ``tail_no_flush_us``: the 16-page ``send()`` case without wait()'s flush hint.
+            ``generic_engine_us`` (16 pages, both APIs): the same case with the prefill
+            manager's fast rows off (``kvfsm.protocol.fastpath``: every chunk and completion
+            through the generic step).
   churn     create+abort+clear cost per room with 100, 1k and 10k rooms live on one manager;
             baseline: ``transitions``' shared-machine ``add_model`` at the same populations.
   bandwidth 16 MiB chunks: send() -> Success through runtime + loopback, streamed (8 chunks in
@@ -317,6 +320,7 @@ def bench_nixl_path(
     reps: int = 7,
     flush: bool = True,
     scattered: bool = False,
+    fast_rows: bool = True,
 ) -> dict[str, Any]:
     """One ``nixl_path`` case (see the module docstring): ``rooms`` rooms x ``chunks`` chunks of
     ``per_chunk`` pages handed over with ``send()`` or ``send_many()`` (every room's next chunk
@@ -326,11 +330,13 @@ def bench_nixl_path(
     chunk until Success, NIXL transfers per chunk, and the tail: the wall time from the last
     hand-over until every room reports Success (``Manager.wait``; without its ``flush`` hint to
     the data plane if not ``flush``). ``scattered``: decode's pages in reverse order, so that
-    every page is a segment of its own (block indices into the prepared lists)."""
+    every page is a segment of its own (block indices into the prepared lists). ``fast_rows``
+    False: the prefill manager steps every chunk and completion generically."""
     from kvfsm.protocol import KVPoll
     from kvfsm.transport.nixl import NixlDataPlane, RemoteRegion, encode_descriptor
 
     fab, p, d = _manager(rooms * chunks * per_chunk, 64)
+    p.fast_rows = p.fast_rows and fast_rows
     plane = NixlDataPlane("bench-stub", caller_posts="always")
     stub = _StubAgent(30e-6)
     plane.agent = stub  # (the real agent it made is dropped unused)
@@ -392,6 +398,9 @@ def bench_nixl_paths(reps: int, hot_path: dict[str, Any]) -> dict[str, Any]:
     for per in (16, 256):
         for api in ("send", "send_many"):
             out[f"{per}_{api}"] = bench_nixl_path(per, api, reps=reps)
+            if per == 16:  # the baseline of the fast rows: every event through the generic step
+                generic = bench_nixl_path(per, api, reps=reps, fast_rows=False)
+                out[f"{per}_{api}"]["generic_engine_us"] = generic["engine_us"]
     # the tail's baseline: the same case with no flush hint (the held writes wait for a poller round)
     out["16_send"]["tail_no_flush_us"] = bench_nixl_path(16, "send", reps=reps, flush=False)["tail_us"]
     # scattered chunks (a segment per page), their runs coalesced into a SegmentArray; baseline:
