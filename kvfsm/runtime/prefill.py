@@ -325,11 +325,11 @@ class PrefillManager(Manager):
         rooms, timers, complete = self._rooms, self._timers, fastpath.completion
         deadline = self.clock() + self._transfer_s
         for tag in item.tag:  # type: ignore[attr-defined]
-            rt = rooms.get(tag[0]) if type(tag) is tuple and len(tag) == 3 else None
-            if rt is not None and not self._queue and complete(rt.room, tag[1], tag[2]):
-                timers.set(tag[0], fastpath.TIMER, deadline)
-                continue
             try:
+                rt = rooms.get(tag[0]) if type(tag) is tuple and len(tag) == 3 else None
+                if rt is not None and not self._queue and complete(rt.room, tag[1], tag[2]):
+                    timers.set(tag[0], fastpath.TIMER, deadline)
+                    continue
                 self._on_completion(tag, True, "")
             except Exception:  # noqa: BLE001 - as Manager._on_completions
                 self._internal_error(item)
