@@ -157,14 +157,16 @@ class PrefillManager(Manager):
     def _chunk_posted(
         self, rt: RoomRuntime, pages: Pages, done: tuple[int, ChunkWritten, list[tuple[int, Pages, bool]], bool]
     ) -> None:
-        """Carry out row P11's actions as ``_execute`` would (cancel the input timer, post the
-        writes, arm the transfer timer), events raised meanwhile (a write that fails at once)
-        stepped afterwards, as ``_local`` does."""
+        """Carry out row P11's actions as ``_execute`` would: cancel the input timer, arm the
+        transfer timer, post the writes; events raised meanwhile (a write that fails at once) are
+        stepped afterwards, as ``_local`` does. (The timers go first: a completion handed over
+        during the posts then re-arms the timer after P11 did, as it would after the step.)"""
         chunk_id, note, writes, cancelled = done
         now = self.clock()
         rid = rt.room.room
         if cancelled:
             self._timers.cancel(rid, fastpath.INPUT)
+        self._timers.set(rid, fastpath.TIMER, now + self._transfer_s)
         if rt.started is None:
             rt.started = now
         self._draining = self._fast_posting = True
@@ -173,7 +175,6 @@ class PrefillManager(Manager):
                 self._post_kv(rt, dest, chunk_id, pages, dst, note, contiguous)
         finally:
             self._draining = self._fast_posting = False
-        self._timers.set(rid, fastpath.TIMER, now + self._transfer_s)
         if self._queue:
             self._drain()
 
