@@ -74,7 +74,12 @@ def applies(machine: RoomMachine) -> bool:
     return True
 
 
-def chunk(room: PrefillRoom, ev: ChunkReady) -> tuple[int, ChunkWritten, list[tuple[int, Pages, bool]], bool] | None:
+# what P11 leaves to the caller: chunk id, notification, per decode rank (rank, destination
+# pages, contiguous), and whether the input timer was armed
+ChunkPosts = tuple[int, ChunkWritten, list[tuple[int, Pages, bool]], bool]
+
+
+def chunk(room: PrefillRoom, ev: ChunkReady) -> ChunkPosts | None:
     """Row P11 for ``ev`` where the generic step takes it: the room updated as P11 updates it,
     and what its actions leave to the caller: the chunk's writes as ``functions.advance`` gives
     them (chunk id, notification, per decode rank (rank, destination pages, contiguous): a

@@ -21,16 +21,7 @@ from kvfsm.protocol.events import (
 )
 from kvfsm.protocol.pages import Pages
 from kvfsm.protocol.rooms import PrefillRoom
-from kvfsm.protocol.wire import (
-    AbortNotice,
-    ChunkWritten,
-    Drained,
-    Message,
-    Register,
-    RegisterAck,
-    RoomFailed,
-    RoomPages,
-)
+from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, as_index, as_pages, coalesce, log
 from kvfsm.transport.base import Inbound, Segment, SegmentArray, Write, write_many
 
@@ -154,9 +145,7 @@ class PrefillManager(Manager):
         takes it too, instead of waiting in the queue for the post's end."""
         return self.fast_rows and not self._queue and (not self._draining or self._fast_posting)
 
-    def _chunk_posted(
-        self, rt: RoomRuntime, pages: Pages, done: tuple[int, ChunkWritten, list[tuple[int, Pages, bool]], bool]
-    ) -> None:
+    def _chunk_posted(self, rt: RoomRuntime, pages: Pages, done: fastpath.ChunkPosts) -> None:
         """Carry out row P11's actions as ``_execute`` would: cancel the input timer, arm the
         transfer timer, post the writes; events raised meanwhile (a write that fails at once) are
         stepped afterwards, as ``_local`` does. (The timers go first: a completion handed over
