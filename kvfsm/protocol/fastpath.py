@@ -1,26 +1,29 @@
-"""Fast rows: the two prefill rows taken once per chunk and once per write, applied directly.
+"""Fast rows: the rows taken once per chunk and once per write, applied directly.
 
 Theory of operation
 -------------------
 In steady state a prefill room takes row P11 for every chunk but its last (a chunk while
 ``Transferring.Sending``: post it, re-arm the transfer timer) and row P15 for every completed
-write but its last (forget the write, re-arm the timer). The generic step (``RoomMachine.step``)
+write but its last (forget the write, re-arm the timer); a decode room takes row D8 for every
+chunk notification but the one that completes it (record the chunk, re-arm the timer). The
+generic step (``RoomMachine.step``)
 builds a context, tests the rows of the (state, trigger) in order through the guard functions,
 calls the action functions, which emit action objects, and the runtime then dispatches those by
 type; for these two rows that machinery costs more than the rows' own work (``bench/core.py``
 ``nixl_path``: the engine's CPU per chunk with and without this module).
 
-``chunk`` and ``completion`` apply those rows directly: the same tests (the guards' own helpers),
+``chunk``, ``completion`` and ``arrival`` apply those rows directly: the same tests (the guards' own helpers),
 the same changes to the room, and they return only what the runtime must still carry out. They
 are an optimisation of the spec, never a second definition of it:
 
 * ``applies(machine)`` is true only if the machine's compiled rows for the (state, trigger)
-  pairs involved are exactly the rows implemented here (row ids, guard and action functions by
+  pairs involved (``EXPECTED``, per machine) are exactly the rows implemented here (row ids, guard and action functions by
   identity, action arguments, destinations). An edited spec or a mutant (``kvfsm.check.mutants``)
   turns the fast rows off and every event takes the generic step;
 * each function returns None or False, the room untouched, wherever the generic step would take
   any other row (an invalid chunk, one that does not fit, the last chunk, an unknown write, a
-  draining room's last write), and the caller then steps the event generically;
+  draining room's last write, a duplicate, invalid or completing notification), and the
+  caller then steps the event generically;
 * ``tests/protocol/test_fastpath.py`` steps random events both ways and compares the rooms and
   the actions, and the runtime's own tests run with the fast rows on and off.
 
@@ -33,10 +36,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvfsm.protocol import functions as f
-from kvfsm.protocol.events import ChunkReady
+from kvfsm.protocol.events import ChunkArrived, ChunkReady
 from kvfsm.protocol.machine import RoomMachine
 from kvfsm.protocol.pages import Pages
-from kvfsm.protocol.rooms import PrefillRoom
+from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
 from kvfsm.protocol.wire import ChunkWritten
 
 SENDING = "Transferring.Sending"
@@ -56,17 +59,33 @@ _CHUNK: tuple[_Row, ...] = (
 _UNKNOWN_WRITE: _Row = ("P13", (), (f.write_pending,), None, ((f.ignore, "completion of unknown write"),))
 _PROGRESS: _Row = ("P15", (), (), None, ((f.complete_write, ""), (f.arm, TIMER)))
 _FINAL: _Row = ("P14", (f.write_is_final,), (), "Success", ((f.complete_write, ""), (f.cancel, TIMER)))
-# the rows each (state, trigger) must have, in order, for the fast rows to stand in for them
-EXPECTED: dict[tuple[str, str], tuple[_Row, ...]] = {
-    (SENDING, "chunk_ready"): _CHUNK,
-    (SENDING, "write_completed"): (_UNKNOWN_WRITE, _PROGRESS),
-    (DRAINING, "write_completed"): (_UNKNOWN_WRITE, _FINAL, _PROGRESS),
+RECEIVING = "Transferring"  # a decode room's state while chunks arrive
+_FENCE = ((f.tell_prefill, "aborted"), (f.cancel_timers, ""), (f.fence, ""), (f.arm, "fence"))
+_ARRIVAL: tuple[_Row, ...] = (
+    ("D4", (f.chunk_repeat,), (), None, ((f.ignore, "duplicate chunk notification"),)),
+    ("D5", (), (f.chunk_valid,), "Fenced", ((f.fail, "invalid chunk notification"), *_FENCE)),
+    ("D6", (f.completes_room,), (f.coverage_exact,), "Fenced",
+     ((f.record_chunk, ""), (f.fail, "page coverage mismatch"), *_FENCE)),
+    ("D7", (f.completes_room,), (), "Success", ((f.record_chunk, ""), (f.cancel, TIMER))),
+    ("D8", (), (), RECEIVING, ((f.record_chunk, ""), (f.arm, TIMER))),
+)  # fmt: skip
+# per machine, the rows each (state, trigger) must have, in order, for the fast rows to stand in
+EXPECTED: dict[str, dict[tuple[str, str], tuple[_Row, ...]]] = {
+    "prefill_room": {
+        (SENDING, "chunk_ready"): _CHUNK,
+        (SENDING, "write_completed"): (_UNKNOWN_WRITE, _PROGRESS),
+        (DRAINING, "write_completed"): (_UNKNOWN_WRITE, _FINAL, _PROGRESS),
+    },
+    "decode_room": {(RECEIVING, "chunk_arrived"): _ARRIVAL},
 }
 
 
 def applies(machine: RoomMachine) -> bool:
-    """Do ``machine``'s compiled rows match the rows implemented here, exactly?"""
-    for key, want in EXPECTED.items():
+    """Do ``machine``'s compiled rows match the rows implemented here for it, exactly?"""
+    expected = EXPECTED.get(machine.spec.name)
+    if not expected:
+        return False
+    for key, want in expected.items():
         rows = machine.table.get(key)
         got = tuple((r.row_id, r.conditions, r.unless, r.dest, r.actions) for r in rows or ())
         if got != want:
@@ -114,4 +133,19 @@ def completion(room: PrefillRoom, dest: int, chunk_id: int) -> bool:
     inflight.discard(key)
     room.timers.add(TIMER)
     room.last_row = "P15"
+    return True
+
+
+def arrival(room: DecodeRoom, ev: ChunkArrived) -> bool:
+    """Row D8 for ``ev`` where the generic step takes it (a valid, new chunk notification that
+    does not complete the room, while Transferring): the chunk recorded and the transfer timer
+    armed in ``room.timers`` (the caller sets its deadline). False, the room untouched,
+    otherwise."""
+    if room.state != RECEIVING or f._chunk_notice_problem(room, ev):
+        return False  # D5 (invalid), D4 (a repeat: a chunk id received already is a problem here too) or another state
+    if f.completes_room(room, ev):
+        return False  # D6 or D7: the room concludes
+    f.record_chunk(room, ev, None, "")  # type: ignore[arg-type] # (it reads no context)
+    room.timers.add(TIMER)
+    room.last_row = "D8"
     return True

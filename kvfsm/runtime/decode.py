@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvfsm.protocol import Protocol
+from kvfsm.protocol import Protocol, fastpath
 from kvfsm.protocol.events import (
     AbortReceived,
     AuxArrived,
@@ -132,9 +132,12 @@ class DecodeManager(Manager):
                 self._count_drop("wrong_sender", f"{msg.TYPE} claiming src {msg.src} from {peer}")
             elif (rt := self._room_for_message(msg.room, msg.TYPE)) is not None:
                 if isinstance(msg, ChunkWritten):
-                    self._dispatch(
-                        msg.room, ChunkArrived(msg.src, msg.chunk_id, msg.is_last, msg.page_start, msg.num_pages)
-                    )
+                    event = ChunkArrived(msg.src, msg.chunk_id, msg.is_last, msg.page_start, msg.num_pages)
+                    if self._fast_ok() and fastpath.arrival(rt.room, event):
+                        # row D8 applied directly (fastpath): arm the transfer timer as its action does
+                        self._timers.set(msg.room, fastpath.TIMER, self.clock() + self._transfer_s)
+                    else:
+                        self._dispatch(msg.room, event)
                     rt.bytes += msg.num_pages * self.page_bytes
                 else:
                     self._dispatch(msg.room, AuxArrived(msg.src))

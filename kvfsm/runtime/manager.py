@@ -45,6 +45,7 @@ from kvfsm.protocol import (
     SetTimer,
     TimerFired,
     UnsupportedVersion,
+    fastpath,
 )
 from kvfsm.protocol.machine import RoomMachine
 from kvfsm.protocol.pages import RUN_MIN, PageRun, Pages, page_summary, run_bytes, run_of
@@ -284,6 +285,11 @@ class Manager:
             )
         protocol = protocol or Protocol()
         self.machine: RoomMachine = protocol.machine_for(self.side, self.config.timeouts)
+        # the rows taken once per chunk or write, applied directly (kvfsm.protocol.fastpath)
+        # where this machine's rows are exactly those; off, every event takes the generic step
+        self.fast_rows = fastpath.applies(self.machine)
+        self._fast_posting = False  # prefill: carrying out P11's posts (see _fast_ok)
+        self._transfer_s = self.machine.timeouts.get(fastpath.TIMER, 0.0)
         self.codec: Codec = protocol.codec
         self.clock = clock
         self.kv = kv  # a host buffer or a tensor (CPU or GPU): the transport registers it
@@ -479,6 +485,14 @@ class Manager:
                 self._draining = nested
             if self._queue:  # events raised meanwhile (the usual case: none)
                 self._drain()
+
+    def _fast_ok(self) -> bool:
+        """May an inbound event take its fast row now? Only with nothing queued before it (events
+        apply in order) and no room in the middle of a generic step (run to completion). While
+        a chunk of P11 is being posted its room is already stepped, so a write that a posting
+        caller finds completed meanwhile (the NIXL data plane completes transfers as it posts)
+        takes it too, instead of waiting in the queue for the post's end."""
+        return self.fast_rows and not self._queue and (not self._draining or self._fast_posting)
 
     def _dispatch(self, rid: int, event: Event) -> None:
         """Queue an event for a room and run the queue to completion (lock held)."""

@@ -64,11 +64,6 @@ class PrefillManager(Manager):
         self._batch: list[Write] | None = None  # writes of a send_many(), handed over together
         self._batch_bytes = self._batch_segments = 0  # ... and their bytes and segments
         self._batch_aux: list[Write] = []  # ... its aux writes: handed over at its end, together
-        # rows P11 and P15 applied directly (kvfsm.protocol.fastpath) where this machine's rows
-        # are exactly those; off, every chunk and completion takes the generic step
-        self.fast_rows = fastpath.applies(self.machine)
-        self._fast_posting = False  # carrying out P11's posts: its room is stepped, others may be (see _fast_ok)
-        self._transfer_s = self.machine.timeouts.get(fastpath.TIMER, 0.0)
 
     def create_sender(self, room: int) -> KVSender:
         """Create room ``room`` on this rank. Messages that arrived for it earlier are applied now."""
@@ -136,14 +131,6 @@ class PrefillManager(Manager):
                     self._chunk_posted(rt, event.pages, done)
                     return
             self._local(rid, event)
-
-    def _fast_ok(self) -> bool:
-        """May a completion take row P15 directly now? Only with nothing queued before it (events
-        apply in order) and no room in the middle of a generic step (run to completion). While
-        a chunk of P11 is being posted its room is already stepped, so a write that a posting
-        caller finds completed meanwhile (the NIXL data plane completes transfers as it posts)
-        takes it too, instead of waiting in the queue for the post's end."""
-        return self.fast_rows and not self._queue and (not self._draining or self._fast_posting)
 
     def _chunk_posted(self, rt: RoomRuntime, pages: Pages, done: fastpath.ChunkPosts) -> None:
         """Carry out row P11's actions as ``_execute`` would: cancel the input timer, arm the

@@ -22,17 +22,20 @@ from protocol_kit import (
     KV_PAGES,
     MACHINES,
     SPEC,
+    allocated,
     announce,
     any_reachable,
+    arrived,
     event_for,
     new_room,
     ready,
+    run,
     snapshot,
 )
 
 from kvfsm.check.mutants import MUTANTS, mutated_protocol
 from kvfsm.protocol import CancelTimer, LocalProtocolError, PostWrite, Protocol, SetTimer, fastpath
-from kvfsm.protocol.events import ChunkReady, WriteCompleted
+from kvfsm.protocol.events import ChunkArrived, ChunkReady, PeersReady, WriteCompleted
 from kvfsm.protocol.spec import ProtocolSpec
 
 M = MACHINES["prefill"]
@@ -186,23 +189,94 @@ def test_the_last_write_of_a_draining_room_takes_the_generic_step():
     assert room.state == "Success"
 
 
-def _edited(row_id: str, **change) -> ProtocolSpec:
-    ms = SPEC.machines["prefill_room"]
+def _edited(row_id: str, machine: str = "prefill_room", **change) -> ProtocolSpec:
+    ms = SPEC.machines[machine]
     rows = tuple(dataclasses.replace(r, **change) if r.id == row_id else r for r in ms.rows)
-    return dataclasses.replace(SPEC, machines={**SPEC.machines, "prefill_room": dataclasses.replace(ms, rows=rows)})
+    return dataclasses.replace(SPEC, machines={**SPEC.machines, machine: dataclasses.replace(ms, rows=rows)})
 
 
 def test_the_fast_rows_apply_to_the_shipped_spec_only():
-    assert fastpath.applies(Protocol(SPEC).prefill)
-    assert not fastpath.applies(Protocol(SPEC).decode)
+    assert fastpath.applies(Protocol(SPEC).prefill) and fastpath.applies(Protocol(SPEC).decode)
     # P15 without re-arming the timer, or P11 posting nothing: not the rows implemented here
     assert not fastpath.applies(Protocol(_edited("P15", actions=("complete_write",))).prefill)
     assert not fastpath.applies(Protocol(_edited("P11", actions=("cancel:input", "arm:transfer"))).prefill)
     assert not fastpath.applies(Protocol(_edited("P10", guards=("chunk_ok",))).prefill)
+    # D8 not re-arming the timer, or D7 taking a chunk that does not complete the room
+    assert not fastpath.applies(Protocol(_edited("D8", "decode_room", actions=("record_chunk",))).decode)
+    assert not fastpath.applies(Protocol(_edited("D7", "decode_room", guards=())).decode)
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_a_mutant_that_rewrites_these_rows_turns_them_off(name):
-    mutated = mutated_protocol(name).prefill
-    same = all(mutated.table.get(k) == M.table.get(k) for k in fastpath.EXPECTED)
-    assert fastpath.applies(mutated) == same, name
+    mutated = mutated_protocol(name)
+    for kind, machine in (("prefill", mutated.prefill), ("decode", mutated.decode)):
+        shipped = MACHINES[kind]
+        same = all(machine.table.get(k) == shipped.table.get(k) for k in fastpath.EXPECTED[shipped.spec.name])
+        assert fastpath.applies(machine) == same, (name, kind)
+
+
+# ====================================================================== decode: row D8
+
+D = MACHINES["decode"]
+DECODE_TRANSFER_S = D.timeouts[fastpath.TIMER]
+
+
+def check_arrival(room, ev: ChunkArrived, now: float) -> bool:
+    fast, generic = copy.deepcopy(room), copy.deepcopy(room)
+    if not fastpath.arrival(fast, ev):
+        assert snapshot(fast) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
+        return False
+    actions = D.step(generic, ev, now)
+    assert _fields(actions) == _fields([SetTimer(fastpath.TIMER, now + DECODE_TRANSFER_S)]), f"{ev} in {room.state}"
+    assert generic.last_row == "D8"
+    assert snapshot(fast) == snapshot(generic), f"{ev} in {room.state}: rooms differ"
+    return True
+
+
+@st.composite
+def _next_chunk(draw, room):
+    """A chunk notification that mostly continues what each source sent (the next id and pages,
+    the last one now and then), or repeats one, or is arbitrary (event_for)."""
+    sources = sorted(getattr(room, "sources", ())) or [0]
+    src = draw(st.sampled_from(sources))
+    got = getattr(room, "received", {}).get(src, {})
+    cid = len(got)
+    start = sum(n for _, n, _ in got.values())
+    left = max(0, len(getattr(room, "pages", ())) - start)
+    n = draw(st.integers(0, max(0, min(left, 6))))
+    return ChunkArrived(src, cid, draw(st.integers(0, 5)) == 0, start, n)
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_fast_arrivals_change_a_room_as_the_generic_step_does(data):
+    path = data.draw(any_reachable("decode"), label="path")
+    room = new_room("decode", **dict(path.kwargs))
+    now = 0.0
+    for event in path.events:
+        now += 1.0
+        D.step(room, event, now)
+    for _ in range(data.draw(st.integers(1, 24), label="n")):
+        pick = data.draw(st.sampled_from(["next"] * 6 + ["chunk_arrived"] * 2 + ["any"]), label="pick")
+        if pick == "next":
+            trigger, event = "chunk_arrived", data.draw(_next_chunk(room), label="event")
+        else:
+            trigger = "chunk_arrived" if pick == "chunk_arrived" else data.draw(st.sampled_from(ALL_TRIGGERS))
+            event = data.draw(event_for(trigger, room), label="event")
+        now += data.draw(st.floats(0.0, 50.0), label="dt")
+        if trigger == "chunk_arrived" and check_arrival(room, event, now):
+            label("fast D8")
+        try:
+            D.step(room, event, now)
+        except LocalProtocolError:
+            pass
+
+
+def test_a_steady_notification_takes_the_fast_row_and_the_completing_one_does_not():
+    room = new_room("decode", sources=(0, 1))
+    run("decode", room, [PeersReady(), allocated(range(10))])
+    D.step(room, arrived(0, 0, 4, src=0), 1.0)
+    assert room.state == fastpath.RECEIVING
+    assert check_arrival(room, arrived(1, 4, 6, src=0, last=True), 2.0)  # source 0 done, source 1 not
+    assert not check_arrival(room, arrived(0, 0, 4, src=0), 2.0)  # a duplicate: D4
+    assert not check_arrival(room, arrived(1, 4, 9, src=1), 2.0)  # pages outside: D5

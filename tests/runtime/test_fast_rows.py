@@ -1,4 +1,4 @@
-"""The prefill runtime with its fast rows (``kvfsm.protocol.fastpath``) behaves exactly as without.
+"""The runtime with its fast rows (``kvfsm.protocol.fastpath``) behaves exactly as without.
 
 The same seeded run, with lost, duplicated and delayed messages and completions, writes that land
 late, completions handed over while a chunk is being posted (as the NIXL data plane hands over
@@ -19,7 +19,6 @@ import pytest
 from kvfsm.check.mutants import mutated_protocol
 from kvfsm.protocol import KVPoll, LocalProtocolError, fastpath
 from kvfsm.protocol.events import Abort
-from kvfsm.runtime import prefill
 from kvfsm.testing import LoopbackCluster
 from kvfsm.transport.base import Inbound
 from kvfsm.transport.loopback import Faults
@@ -38,8 +37,8 @@ def _play(seed: int, fast: bool, taken: dict[str, int]) -> dict[str, Any]:
         timeouts={"transfer": 10.0},
     )
     p, d = c.prefill[0], c.decode[0]
-    assert p.fast_rows  # the shipped spec's rows
-    p.fast_rows = fast
+    assert p.fast_rows and d.fast_rows  # the shipped spec's rows
+    p.fast_rows = d.fast_rows = fast
     posted: list[Any] = []
     write = p.endpoint.write
 
@@ -135,8 +134,8 @@ def _play(seed: int, fast: bool, taken: dict[str, int]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_fast_rows_change_nothing_the_runtime_does(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    taken = {"chunk": 0, "completion": 0}
-    chunk, completion = fastpath.chunk, fastpath.completion
+    taken = {"chunk": 0, "completion": 0, "arrival": 0}
+    chunk, completion, arrival = fastpath.chunk, fastpath.completion, fastpath.arrival
 
     def counted_chunk(*args: Any) -> Any:
         got = chunk(*args)
@@ -148,12 +147,18 @@ def test_the_fast_rows_change_nothing_the_runtime_does(seed: int, monkeypatch: p
         taken["completion"] += got
         return got
 
-    monkeypatch.setattr(prefill.fastpath, "chunk", counted_chunk)
-    monkeypatch.setattr(prefill.fastpath, "completion", counted_completion)
+    def counted_arrival(*args: Any) -> bool:
+        got = arrival(*args)
+        taken["arrival"] += got
+        return got
+
+    monkeypatch.setattr(fastpath, "chunk", counted_chunk)
+    monkeypatch.setattr(fastpath, "completion", counted_completion)
+    monkeypatch.setattr(fastpath, "arrival", counted_arrival)
     slow = _play(seed, False, taken)
-    assert taken == {"chunk": 0, "completion": 0}
+    assert taken == {"chunk": 0, "completion": 0, "arrival": 0}
     fast = _play(seed, True, taken)
-    assert taken["chunk"] > 10 and taken["completion"] > 10, taken
+    assert taken["chunk"] > 10 and taken["completion"] > 10 and taken["arrival"] > 10, taken
     for key in slow:
         assert fast[key] == slow[key], key
     final = fast["polls"][-1]
@@ -161,9 +166,15 @@ def test_the_fast_rows_change_nothing_the_runtime_does(seed: int, monkeypatch: p
 
 
 def test_a_manager_on_a_spec_with_other_rows_takes_the_generic_step_only() -> None:
+    """Each side's fast rows are off where that side's rows differ from the shipped spec's."""
     c = LoopbackCluster(protocol=mutated_protocol("drained_before_writes_done"))
     try:
-        assert not c.prefill[0].fast_rows
+        assert not c.prefill[0].fast_rows and c.decode[0].fast_rows  # (a prefill row rewritten)
+    finally:
+        c.close()
+    c = LoopbackCluster(protocol=mutated_protocol("success_before_aux"))
+    try:
+        assert c.prefill[0].fast_rows and not c.decode[0].fast_rows  # (a decode guard rewritten)
     finally:
         c.close()
 
