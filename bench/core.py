@@ -6,6 +6,8 @@
             baseline: the bare protocol steps those rooms needed (share of time in the core).
   hot_path  µs per send() of a 16-page chunk and per completion of its write, through the runtime
             with a null data plane; baseline: the bare protocol steps of the same events.
+  decode_path  µs per chunk notification (16 pages) through a DecodeManager; baseline
+            ``generic_notification_us``: the same with the fast rows off (kvfsm.protocol.fastpath).
   long_chunks  µs per send() of 1,024- and 4,096-page chunks (64 and 256 MiB of 64 KiB pages),
             pages as a list, numpy array or range; baseline: a 16-page chunk held the same way.
   announce  µs to encode + decode a decode rank's room_pages of 256 / 2,048 / 8,192 pages in one
@@ -425,6 +427,36 @@ def _held(pages: list[int], held: str) -> Any:
     return range(pages[0], pages[-1] + 1) if held == "range" else pages
 
 
+def bench_notifications(chunks: int = 4096, reps: int = 5) -> dict[str, Any]:
+    """``decode_path``: µs per chunk notification (a 16-page chunk's ``chunk_written``, as the
+    transport hands it over) through a DecodeManager whose room is Transferring, best of
+    ``reps``; baseline ``generic_notification_us``: the same with the fast rows off (every
+    notification through the generic step), in the same run, alternating."""
+    from kvfsm.protocol.wire import ChunkWritten
+    from kvfsm.transport.base import Inbound
+
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(reps):
+        for fast in (True, False):
+            fab, p, d = _manager(chunks * 16 + 16, 64)
+            d.fast_rows = d.fast_rows and fast
+            d.create_receiver(1).init(range(chunks * 16), 0)
+            fab.pump()
+            notes = [d.codec.encode(ChunkWritten(1, 0, i, False, i * 16, 16)) for i in range(chunks)]
+            d._on_inbound(Inbound("notification", "p0", data=notes[0]))  # the first: into Transferring
+            items = [Inbound("notification", "p0", data=n) for n in notes[1:]]
+            gc.disable()
+            t = time.perf_counter()
+            for item in items:
+                d._on_inbound(item)
+            best[fast] = min(best[fast], (time.perf_counter() - t) / len(items))
+            gc.enable()
+            assert d._rooms[1].room.state == "Transferring", "a notification was refused"
+            p.close()
+            d.close()
+    return {"notification_us": best[True] * 1e6, "generic_notification_us": best[False] * 1e6}
+
+
 def bench_long_chunks(sizes: tuple[int, ...], reps: int) -> dict[str, Any]:
     """``hot_path``'s send() cost for chunks of ``sizes`` pages (one ascending run each, as an
     engine that allocates pages in order hands them over), pages held as a list, a numpy array
@@ -596,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         "step": bench_step(200 if q else 4000),
         "rooms": bench_rooms(200 if q else 3000),
         "hot_path": bench_hot_path(reps=3 if q else 10),
+        "decode_path": bench_notifications(256 if q else 4096, reps=2 if q else 5),
         "long_chunks": bench_long_chunks((256,) if q else (1024, 4096), reps=2 if q else 5),
         "announce": bench_announce((256, 2048) if q else (256, 2048, 8192), reps=2 if q else 5),
         "churn": bench_churn([100, 1000] if q else [100, 1000, 10_000], batch=200 if q else 2000),

@@ -36,6 +36,8 @@ def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
         assert row["run_us"] > 0 and row["array_us"] > 0 and row["run_bytes"] < row["array_bytes"]
     for rooms in res["rooms"].values():
         assert rooms["rooms_per_second"] > 0
+    dec = res["decode_path"]  # decode's CPU per chunk notification, fast rows and generic
+    assert dec["notification_us"] > 0 and dec["generic_notification_us"] > 0
     nixl = res["nixl_path"]  # the runtime + NIXL data plane's Python per chunk (a stub agent)
     if "skipped" not in nixl:
         assert nixl["baseline_null_plane_us"] > 0
