@@ -64,16 +64,23 @@ def check_chunk(room, ev: ChunkReady, now: float) -> bool:
     return True
 
 
-def check_completion(room, ev: WriteCompleted, now: float) -> bool:
+def _check_rearm(machine, room, ev, now: float, apply, row: str) -> bool:
+    """A fast row that leaves the caller only the transfer timer to arm (P15, D8): ``apply``
+    tries it on one copy, ``machine`` steps ``ev`` on another."""
     fast, generic = copy.deepcopy(room), copy.deepcopy(room)
-    if not fastpath.completion(fast, ev.dest_rank, ev.chunk_id):
+    if not apply(fast):
         assert snapshot(fast) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
         return False
-    actions = M.step(generic, ev, now)
-    assert _fields(actions) == _fields([SetTimer(fastpath.TIMER, now + TRANSFER_S)]), f"{ev} in {room.state}"
-    assert generic.last_row == "P15"
+    actions = machine.step(generic, ev, now)
+    want = [SetTimer(fastpath.TIMER, now + machine.timeouts[fastpath.TIMER])]
+    assert _fields(actions) == _fields(want), f"{ev} in {room.state}"
+    assert generic.last_row == row
     assert snapshot(fast) == snapshot(generic), f"{ev} in {room.state}: rooms differ"
     return True
+
+
+def check_completion(room, ev: WriteCompleted, now: float) -> bool:
+    return _check_rearm(M, room, ev, now, lambda r: fastpath.completion(r, ev.dest_rank, ev.chunk_id), "P15")
 
 
 # chunks and completions most of the time, anything else (aborts, timers, ...) now and then
@@ -218,19 +225,10 @@ def test_a_mutant_that_rewrites_these_rows_turns_them_off(name):
 # ====================================================================== decode: row D8
 
 D = MACHINES["decode"]
-DECODE_TRANSFER_S = D.timeouts[fastpath.TIMER]
 
 
 def check_arrival(room, ev: ChunkArrived, now: float) -> bool:
-    fast, generic = copy.deepcopy(room), copy.deepcopy(room)
-    if not fastpath.arrival(fast, ev):
-        assert snapshot(fast) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
-        return False
-    actions = D.step(generic, ev, now)
-    assert _fields(actions) == _fields([SetTimer(fastpath.TIMER, now + DECODE_TRANSFER_S)]), f"{ev} in {room.state}"
-    assert generic.last_row == "D8"
-    assert snapshot(fast) == snapshot(generic), f"{ev} in {room.state}: rooms differ"
-    return True
+    return _check_rearm(D, room, ev, now, lambda r: fastpath.arrival(r, ev), "D8")
 
 
 @st.composite
