@@ -625,7 +625,11 @@ class Manager:
     def _handle_inbound(self, item: Inbound) -> None:
         """One inbound item, the lock held. Never raises."""
         if item.kind == "completions":  # the most frequent kind on prefill (NIXL: a transfer's writes)
-            self._on_completions(item)
+            for tag in item.tag:  # type: ignore[attr-defined]
+                try:
+                    self._on_completion(tag, True, "")  # (it runs the event queue: _dispatch)
+                except Exception:  # noqa: BLE001 - as below, and the item's other writes still complete
+                    self._internal_error(item)
             return
         try:
             if item.kind == "completion":
@@ -649,14 +653,6 @@ class Manager:
             self._drain()
         except Exception:  # noqa: BLE001 - last line of defence: never kill the transport thread
             self._internal_error(item)
-
-    def _on_completions(self, item: Inbound) -> None:
-        """A "completions" item: every write in ``item.tag`` completed. The lock held; never raises."""
-        for tag in item.tag:  # type: ignore[attr-defined]
-            try:
-                self._on_completion(tag, True, "")  # (it runs the event queue: _dispatch)
-            except Exception:  # noqa: BLE001 - as _handle_inbound, and the item's other writes still complete
-                self._internal_error(item)
 
     def _internal_error(self, item: Inbound) -> None:
         """Handling ``item`` raised (a bug of ours): count and log it, with the exception."""

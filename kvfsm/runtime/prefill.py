@@ -23,7 +23,7 @@ from kvfsm.protocol.pages import Pages
 from kvfsm.protocol.rooms import PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, as_index, as_pages, coalesce, log
-from kvfsm.transport.base import Inbound, Segment, SegmentArray, Write, write_many
+from kvfsm.transport.base import Segment, SegmentArray, Write, write_many
 
 _LENGTH = attrgetter("length")  # of a Segment (map in C: one write has one segment, mostly)
 WriteTag = tuple[int, int, int]  # (room, dest_rank, chunk_id | AUX_WRITE): the transport's completion tag
@@ -291,25 +291,6 @@ class PrefillManager(Manager):
             self._dispatch(rid, WriteCompleted(dest, chunk_id))
         else:
             self._dispatch(rid, WriteFailed(dest, chunk_id, reason))
-
-    def _on_completions(self, item: Inbound) -> None:
-        """A transfer's completed writes: row P15 applied directly to each where it is the row
-        taken (fastpath), the transfer timer armed as its action does; any other write (a room's
-        last, an unknown one) through ``_on_completion``, in order. Never raises."""
-        if not self._fast_ok():
-            super()._on_completions(item)
-            return
-        rooms, timers, complete = self._rooms, self._timers, fastpath.completion
-        deadline = self.clock() + self._transfer_s
-        for tag in item.tag:  # type: ignore[attr-defined]
-            try:
-                rt = rooms.get(tag[0]) if type(tag) is tuple and len(tag) == 3 else None
-                if rt is not None and not self._queue and complete(rt.room, tag[1], tag[2]):
-                    timers.set(tag[0], fastpath.TIMER, deadline)
-                    continue
-                self._on_completion(tag, True, "")
-            except Exception:  # noqa: BLE001 - as Manager._on_completions
-                self._internal_error(item)
 
     def _on_peer_lost(self, peer: str, reason: str) -> None:
         rank = self._peer_ranks.pop(peer, None)
