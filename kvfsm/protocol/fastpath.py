@@ -6,26 +6,28 @@ In steady state a prefill room takes row P11 for every chunk but its last (a chu
 ``Transferring.Sending``: post it, re-arm the transfer timer) and row P15 for every completed
 write but its last (forget the write, re-arm the timer); a decode room takes row D8 for every
 chunk notification but the one that completes it (record the chunk, re-arm the timer). The
-generic step (``RoomMachine.step``)
-builds a context, tests the rows of the (state, trigger) in order through the guard functions,
-calls the action functions, which emit action objects, and the runtime then dispatches those by
-type; for these two rows that machinery costs more than the rows' own work (``bench/core.py``
-``nixl_path``: the engine's CPU per chunk with and without this module).
+generic step (``RoomMachine.step``) builds a context, tests the rows of the (state, trigger) in
+order through the guard functions, calls the action functions, which emit action objects, and
+the runtime then dispatches those by type; for these three rows that machinery costs more than
+the rows' own work (``bench/core.py`` ``nixl_path`` and ``decode_path``: the CPU per chunk with
+and without this module).
 
-``chunk``, ``completion`` and ``arrival`` apply those rows directly: the same tests (the guards' own helpers),
-the same changes to the room, and they return only what the runtime must still carry out. They
-are an optimisation of the spec, never a second definition of it:
+``chunk``, ``completion`` and ``arrival`` apply those rows directly: the same tests (the guards'
+own helpers), the same changes to the room, and they return only what the runtime must still
+carry out. They are an optimisation of the spec, never a second definition of it:
 
 * ``applies(machine)`` is true only if the machine's compiled rows for the (state, trigger)
-  pairs involved (``EXPECTED``, per machine) are exactly the rows implemented here (row ids, guard and action functions by
-  identity, action arguments, destinations). An edited spec or a mutant (``kvfsm.check.mutants``)
-  turns the fast rows off and every event takes the generic step;
+  pairs involved (``EXPECTED``, per machine) are exactly the rows implemented here (row ids,
+  guard and action functions by identity, action arguments, destinations). An edited spec or a
+  mutant (``kvfsm.check.mutants``) turns the fast rows off and every event takes the generic
+  step;
 * each function returns None or False, the room untouched, wherever the generic step would take
   any other row (an invalid chunk, one that does not fit, the last chunk, an unknown write, a
-  draining room's last write, a duplicate, invalid or completing notification), and the
-  caller then steps the event generically;
+  draining room's last write, a repeated, invalid or completing notification), and the caller
+  then steps the event generically;
 * ``tests/protocol/test_fastpath.py`` steps random events both ways and compares the rooms and
-  the actions, and the runtime's own tests run with the fast rows on and off.
+  the actions; ``tests/runtime/test_fast_rows.py`` plays seeded runs with the fast rows on and
+  off and compares everything the runtime does.
 
 Pure: no I/O, no clock (the caller sets the timer deadlines it is told to arm).
 """
@@ -44,7 +46,7 @@ from kvfsm.protocol.wire import ChunkWritten
 
 SENDING = "Transferring.Sending"
 DRAINING = "Transferring.Draining"
-TIMER = "transfer"  # the timer both rows arm
+TIMER = "transfer"  # the timer every fast row arms
 INPUT = "input"  # the timer P11 cancels
 
 _Row = tuple[
@@ -142,7 +144,7 @@ def arrival(room: DecodeRoom, ev: ChunkArrived) -> bool:
     armed in ``room.timers`` (the caller sets its deadline). False, the room untouched,
     otherwise."""
     if room.state != RECEIVING or f._chunk_notice_problem(room, ev):
-        return False  # D5 (invalid), D4 (a repeat: a chunk id received already is a problem here too) or another state
+        return False  # D5, D4 (a chunk id received already is a problem too) or another state
     if f.completes_room(room, ev):
         return False  # D6 or D7: the room concludes
     f.record_chunk(room, ev, None, "")  # type: ignore[arg-type] # (it reads no context)
