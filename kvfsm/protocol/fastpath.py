@@ -2,19 +2,21 @@
 
 Theory of operation
 -------------------
-In steady state a prefill room takes row P11 for every chunk but its last (a chunk while
-``Transferring.Sending``: post it, re-arm the transfer timer) and row P15 for every completed
-write but its last (forget the write, re-arm the timer); a decode room takes row D8 for every
-chunk notification but the one that completes it (record the chunk, re-arm the timer). The
-generic step (``RoomMachine.step``) builds a context, tests the rows of the (state, trigger) in
-order through the guard functions, calls the action functions, which emit action objects, and
-the runtime then dispatches those by type; for these three rows that machinery costs more than
-the rows' own work (``bench/core.py`` ``nixl_path`` and ``decode_path``: the CPU per chunk with
-and without this module).
+A prefill room takes row P11 for every chunk but its last (post it, re-arm the transfer timer;
+the first one also moves the room from WaitingForInput to Transferring.Sending), row P10 for its
+last chunk (the same, with the aux writes, into Transferring.Draining), row P15 for every
+completed write but its last (forget the write, re-arm the timer) and row P14 for its last (the
+room succeeds); a decode room takes row D8 for every chunk notification but the one that
+completes it (record the chunk, re-arm the timer). The generic step (``RoomMachine.step``)
+builds a context, tests the rows of the (state, trigger) in order through the guard functions,
+calls the action functions, which emit action objects, and the runtime then dispatches those
+by type; for these rows that machinery costs more than the rows' own work (``bench/core.py``
+``nixl_path`` and ``decode_path``: the CPU per chunk with and without this module).
 
 ``chunk``, ``completion`` and ``arrival`` apply those rows directly: the same tests (the guards'
-own helpers), the same changes to the room, and they return only what the runtime must still
-carry out. They are an optimisation of the spec, never a second definition of it:
+own helpers), the same changes to the room (its state included: the caller tells the runtime
+of a change as it does after a step), and they return only what the runtime must still carry
+out. They are an optimisation of the spec, never a second definition of it:
 
 * ``applies(machine)`` is true only if the machine's compiled rows for the (state, trigger)
   pairs involved (``EXPECTED``, per machine) are exactly the rows implemented here (row ids,
@@ -22,9 +24,8 @@ carry out. They are an optimisation of the spec, never a second definition of it
   mutant (``kvfsm.check.mutants``) turns the fast rows off and every event takes the generic
   step;
 * each function returns None or False, the room untouched, wherever the generic step would take
-  any other row (an invalid chunk, one that does not fit, the last chunk, an unknown write, a
-  draining room's last write, a repeated, invalid or completing notification), and the caller
-  then steps the event generically;
+  any other row (an invalid chunk, one that does not fit, an unknown write, a repeated, invalid
+  or completing notification), and the caller then steps the event generically;
 * ``tests/protocol/test_fastpath.py`` steps random events both ways and compares the rooms and
   the actions; ``tests/runtime/test_fast_rows.py`` plays seeded runs with the fast rows on and
   off and compares everything the runtime does.
@@ -38,14 +39,17 @@ from collections.abc import Callable
 from typing import Any
 
 from kvfsm.protocol import functions as f
+from kvfsm.protocol.actions import PostAuxWrite
 from kvfsm.protocol.events import ChunkArrived, ChunkReady
 from kvfsm.protocol.machine import RoomMachine
 from kvfsm.protocol.pages import Pages
 from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
 from kvfsm.protocol.wire import ChunkWritten
 
+WAITING = "WaitingForInput"
 SENDING = "Transferring.Sending"
 DRAINING = "Transferring.Draining"
+SUCCESS = "Success"
 TIMER = "transfer"  # the timer every fast row arms
 INPUT = "input"  # the timer P11 cancels
 
@@ -60,7 +64,7 @@ _CHUNK: tuple[_Row, ...] = (
 )  # fmt: skip
 _UNKNOWN_WRITE: _Row = ("P13", (), (f.write_pending,), None, ((f.ignore, "completion of unknown write"),))
 _PROGRESS: _Row = ("P15", (), (), None, ((f.complete_write, ""), (f.arm, TIMER)))
-_FINAL: _Row = ("P14", (f.write_is_final,), (), "Success", ((f.complete_write, ""), (f.cancel, TIMER)))
+_FINAL: _Row = ("P14", (f.write_is_final,), (), SUCCESS, ((f.complete_write, ""), (f.cancel, TIMER)))
 RECEIVING = "Transferring"  # a decode room's state while chunks arrive
 _FENCE = ((f.tell_prefill, "aborted"), (f.cancel_timers, ""), (f.fence, ""), (f.arm, "fence"))
 _ARRIVAL: tuple[_Row, ...] = (
@@ -74,6 +78,7 @@ _ARRIVAL: tuple[_Row, ...] = (
 # per machine, the rows each (state, trigger) must have, in order, for the fast rows to stand in
 EXPECTED: dict[str, dict[tuple[str, str], tuple[_Row, ...]]] = {
     "prefill_room": {
+        (WAITING, "chunk_ready"): _CHUNK,
         (SENDING, "chunk_ready"): _CHUNK,
         (SENDING, "write_completed"): (_UNKNOWN_WRITE, _PROGRESS),
         (DRAINING, "write_completed"): (_UNKNOWN_WRITE, _FINAL, _PROGRESS),
@@ -95,46 +100,62 @@ def applies(machine: RoomMachine) -> bool:
     return True
 
 
-# what P11 leaves to the caller: chunk id, notification, per decode rank (rank, destination
-# pages, contiguous), and whether the input timer was armed
-ChunkPosts = tuple[int, ChunkWritten, list[tuple[int, Pages, bool]], bool]
+# what P10 and P11 leave to the caller: chunk id, notification, per decode rank (rank,
+# destination pages, contiguous), whether the input timer was armed, and (P10) the aux writes,
+# one per decode rank in the same order (empty for P11)
+ChunkPosts = tuple[int, ChunkWritten, list[tuple[int, Pages, bool]], bool, list[PostAuxWrite]]
 
 
 def chunk(room: PrefillRoom, ev: ChunkReady) -> ChunkPosts | None:
-    """Row P11 for ``ev`` where the generic step takes it: the room updated as P11 updates it,
-    and what its actions leave to the caller: the chunk's writes as ``functions.advance`` gives
-    them (chunk id, notification, per decode rank (rank, destination pages, contiguous): a
-    PostWrite each, of ``ev.pages``) and whether the input timer was armed (P11 cancels it). The
-    transfer timer is armed in ``room.timers``: the caller sets its deadline. None, the room
+    """Row P11, or P10 for the last chunk, for ``ev`` where the generic step takes it (a valid
+    chunk that fits, in WaitingForInput or Transferring.Sending): the room updated as the row
+    updates it (its state too: the caller tells the runtime of a change, as after a step), and
+    what its actions leave to the caller: the chunk's writes as ``functions.advance`` gives them
+    (chunk id, notification, per decode rank (rank, destination pages, contiguous): a PostWrite
+    each, of ``ev.pages``), whether the input timer was armed (both rows cancel it) and, for the
+    last chunk, the aux writes (``functions.aux_write``; each goes after its rank's PostWrite).
+    The transfer timer is armed in ``room.timers``: the caller sets its deadline. None, the room
     untouched, where the generic step would take another row or none."""
-    if room.state != SENDING or ev.is_last:
+    state = room.state
+    if state != SENDING and state != WAITING:
         return None
-    if f._chunk_problem(room, ev) or not f._fits(room.dests.values(), room.cursor + len(ev.pages), False):
+    last = ev.is_last
+    if f._chunk_problem(room, ev) or not f._fits(room.dests.values(), room.cursor + len(ev.pages), last):
         return None  # P9 (a chunk that does not fit) or no row (an invalid chunk): generic
     timers = room.timers
     cancelled = INPUT in timers
     if cancelled:
         timers.discard(INPUT)
+    room.state = DRAINING if last else SENDING
     chunk_id, note, writes = f.advance(room, ev)
     timers.add(TIMER)
-    room.last_row = "P11"
-    return chunk_id, note, writes, cancelled
+    room.last_row = "P10" if last else "P11"
+    return chunk_id, note, writes, cancelled, [f.aux_write(room, ev, w[0]) for w in writes] if last else []
 
 
 def completion(room: PrefillRoom, dest: int, chunk_id: int) -> bool:
     """Row P15 for WriteCompleted(dest, chunk_id) where the generic step takes it (a pending
     write, not the last of a draining room): the write forgotten and the transfer timer armed in
-    ``room.timers`` (the caller sets its deadline). False, the room untouched, otherwise."""
+    ``room.timers`` (the caller sets its deadline); or row P14 for a draining room's last write:
+    the write forgotten, the room in Success and the transfer timer disarmed in ``room.timers``
+    (the caller tells the runtime of the change and cancels the timer). False, the room
+    untouched, otherwise."""
     inflight = room.inflight
     key = (dest, chunk_id)
     if key not in inflight:
         return False  # P13 (an unknown or duplicate completion), or not Transferring
     state = room.state
-    if state != SENDING and (state != DRAINING or len(inflight) == 1):
-        return False  # P14 (the last write: Success) or another state
+    if state == SENDING or (state == DRAINING and len(inflight) > 1):
+        inflight.discard(key)
+        room.timers.add(TIMER)
+        room.last_row = "P15"
+        return True
+    if state != DRAINING:
+        return False  # another state
+    room.state = SUCCESS  # P14: the last write of a draining room
     inflight.discard(key)
-    room.timers.add(TIMER)
-    room.last_row = "P15"
+    room.timers.discard(TIMER)
+    room.last_row = "P14"
     return True
 
 

@@ -260,6 +260,12 @@ def advance(room: PrefillRoom, chunk: ChunkReady) -> tuple[int, ChunkWritten, li
     return chunk_id, note, writes
 
 
+def aux_write(room: PrefillRoom, chunk: ChunkReady, dest: int) -> PostAuxWrite:
+    """The aux write that goes with the last chunk ``chunk`` to decode rank ``dest``."""
+    assert chunk.aux_slot is not None  # chunk_ok
+    return PostAuxWrite(room.room, dest, chunk.aux_slot, room.dests[dest].aux_slot, AuxWritten(room.room, room.rank))
+
+
 def _post(room: PrefillRoom, chunk: ChunkReady, out: list[Action]) -> None:
     """Post ``chunk``'s writes (and the aux writes, with the last chunk) to every decode rank:
     actions appended to ``out`` (see ``advance``)."""
@@ -267,9 +273,7 @@ def _post(room: PrefillRoom, chunk: ChunkReady, out: list[Action]) -> None:
     for dest, dst, contiguous in writes:
         out.append(PostWrite(room.room, dest, chunk_id, chunk.pages, dst, note, contiguous))
         if chunk.is_last:
-            assert chunk.aux_slot is not None  # chunk_ok
-            aux_note = AuxWritten(room.room, room.rank)
-            out.append(PostAuxWrite(room.room, dest, chunk.aux_slot, room.dests[dest].aux_slot, aux_note))
+            out.append(aux_write(room, chunk, dest))
 
 
 @action("post_chunk")

@@ -121,25 +121,31 @@ class PrefillManager(Manager):
         return as_index(room, "room"), event
 
     def _chunk(self, rid: int, event: ChunkReady) -> None:
-        """The engine's chunk: row P11 applied directly where it is the row taken (fastpath),
-        else the generic step (``_local``: misuse raises LocalProtocolError, the room unchanged)."""
+        """The engine's chunk: row P11 or P10 applied directly where it is the row taken
+        (fastpath), else the generic step (``_local``: misuse raises LocalProtocolError, the room
+        unchanged)."""
         with self._lock:
             rt = self._rooms.get(rid)
             if rt is not None and self.fast_rows and not self._draining and not self._queue:
+                before = rt.room.state
                 done = fastpath.chunk(rt.room, event)
                 if done is not None:
-                    self._chunk_posted(rt, event.pages, done)
+                    self._chunk_posted(rt, event.pages, done, before)
                     return
             self._local(rid, event)
 
-    def _chunk_posted(self, rt: RoomRuntime, pages: Pages, done: fastpath.ChunkPosts) -> None:
-        """Carry out row P11's actions as ``_execute`` would: cancel the input timer, arm the
-        transfer timer, post the writes; events raised meanwhile (a write that fails at once) are
-        stepped afterwards, as ``_local`` does. (The timers go first: a completion handed over
-        during the posts then re-arms the timer after P11 did, as it would after the step.)"""
-        chunk_id, note, writes, cancelled = done
+    def _chunk_posted(self, rt: RoomRuntime, pages: Pages, done: fastpath.ChunkPosts, before: str) -> None:
+        """Carry out row P11's or P10's actions as ``_step`` would: the room's change of state
+        (from ``before``), then cancel the input timer, arm the transfer timer, post the writes
+        (each rank's aux write after its KV, with the last chunk); events raised meanwhile (a
+        write that fails at once) are stepped afterwards, as ``_local`` does. (The timers go
+        first: a completion handed over during the posts then re-arms the timer after the row
+        did, as it would after the step.)"""
+        chunk_id, note, writes, cancelled, aux = done
         now = self.clock()
         rid = rt.room.room
+        if rt.room.state != before:
+            self._state_changed(rt, before, now)
         if cancelled:
             self._timers.cancel(rid, fastpath.INPUT)
         self._timers.set(rid, fastpath.TIMER, now + self._transfer_s)
@@ -147,8 +153,10 @@ class PrefillManager(Manager):
             rt.started = now
         self._draining = self._fast_posting = True
         try:
-            for dest, dst, contiguous in writes:
+            for i, (dest, dst, contiguous) in enumerate(writes):
                 self._post_kv(rt, dest, chunk_id, pages, dst, note, contiguous)
+                if aux:
+                    self._post(rt, aux[i])
         finally:
             self._draining = self._fast_posting = False
         if self._queue:
@@ -284,10 +292,18 @@ class PrefillManager(Manager):
             self._count_drop("completion_for_gone_room", f"room {rid}")
             return
         if ok:
-            if self._fast_ok() and fastpath.completion(self._rooms[rid].room, dest, chunk_id):
-                # row P15 applied directly (fastpath): arm the transfer timer as its action does
-                self._timers.set(rid, fastpath.TIMER, self.clock() + self._transfer_s)
-                return
+            if self._fast_ok():
+                rt = self._rooms[rid]
+                before = rt.room.state
+                if fastpath.completion(rt.room, dest, chunk_id):
+                    # row P15 or P14 applied directly (fastpath): carry out what is left of it
+                    now = self.clock()
+                    if rt.room.state == before:  # P15: arm the transfer timer
+                        self._timers.set(rid, fastpath.TIMER, now + self._transfer_s)
+                    else:  # P14: the room succeeded; cancel the timer
+                        self._state_changed(rt, before, now)
+                        self._timers.cancel(rid, fastpath.TIMER)
+                    return
             self._dispatch(rid, WriteCompleted(dest, chunk_id))
         else:
             self._dispatch(rid, WriteFailed(dest, chunk_id, reason))

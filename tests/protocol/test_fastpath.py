@@ -54,12 +54,15 @@ def check_chunk(room, ev: ChunkReady, now: float) -> bool:
         assert snapshot(fast) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
         return False
     actions = M.step(generic, ev, now)  # the fast row applied: the generic step must accept it too
-    chunk_id, note, writes, cancelled = got
-    want = [CancelTimer(fastpath.INPUT)] if cancelled else []
-    want += [PostWrite(room.room, d, chunk_id, ev.pages, dst, note, run) for d, dst, run in writes]
+    chunk_id, note, writes, cancelled, aux = got
+    want: list = [CancelTimer(fastpath.INPUT)] if cancelled else []
+    for i, (d, dst, one_run) in enumerate(writes):
+        want.append(PostWrite(room.room, d, chunk_id, ev.pages, dst, note, one_run))
+        want += aux[i : i + 1]
     want.append(SetTimer(fastpath.TIMER, now + TRANSFER_S))
+    assert len(aux) == (len(writes) if ev.is_last else 0)
     assert _fields(actions) == _fields(want), f"{ev} in {room.state}"
-    assert generic.last_row == "P11"
+    assert generic.last_row == ("P10" if ev.is_last else "P11")
     assert snapshot(fast) == snapshot(generic), f"{ev} in {room.state}: rooms differ"
     return True
 
@@ -80,7 +83,21 @@ def _check_rearm(machine, room, ev, now: float, apply, row: str) -> bool:
 
 
 def check_completion(room, ev: WriteCompleted, now: float) -> bool:
-    return _check_rearm(M, room, ev, now, lambda r: fastpath.completion(r, ev.dest_rank, ev.chunk_id), "P15")
+    """P15 (as ``_check_rearm``) or P14: a draining room's last write, the room in Success and
+    the transfer timer cancelled if it was armed, as the generic step does."""
+    fast, generic = copy.deepcopy(room), copy.deepcopy(room)
+    if not fastpath.completion(fast, ev.dest_rank, ev.chunk_id):
+        assert snapshot(fast) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
+        return False
+    actions = M.step(generic, ev, now)
+    if fast.state == room.state:
+        want = [SetTimer(fastpath.TIMER, now + TRANSFER_S)]
+    else:
+        want = [CancelTimer(fastpath.TIMER)] if fastpath.TIMER in room.timers else []
+    assert _fields(actions) == _fields(want), f"{ev} in {room.state}"
+    assert generic.last_row == ("P15" if fast.state == room.state else "P14")
+    assert snapshot(fast) == snapshot(generic), f"{ev} in {room.state}: rooms differ"
+    return True
 
 
 # chunks and completions most of the time, anything else (aborts, timers, ...) now and then
@@ -146,9 +163,9 @@ def test_fast_rows_change_a_room_as_the_generic_step_does(data):
         event = _event(data, trigger, room)
         now += data.draw(st.floats(0.0, 50.0), label="dt")
         if trigger == "chunk_ready" and check_chunk(room, event, now):
-            label("fast P11")
+            label(f"fast {'P10' if event.is_last else 'P11'} from {room.state}")
         if trigger == "write_completed" and check_completion(room, event, now):
-            label("fast P15")
+            label(f"fast {'P15' if room.state == fastpath.SENDING or len(room.inflight) > 1 else 'P14'}")
         try:
             M.step(room, event, now)
         except LocalProtocolError:
@@ -172,9 +189,18 @@ def test_a_steady_chunk_and_its_completion_take_the_fast_rows(dests):
     M.step(room, ready([5, 6, 7]), 3.0)
     assert check_completion(room, WriteCompleted(dests[0], 0), 4.0)
     assert not check_completion(room, WriteCompleted(dests[0], 9), 4.0)  # no such write: P13
-    assert not check_chunk(room, ready([3, 4], last=True), 5.0)  # the last chunk: P10
     assert not check_chunk(room, ready([3, 4, 8, 9]), 5.0)  # beyond decode's 8 pages: P9
     assert not check_chunk(room, ready([3, 3]), 5.0)  # an invalid chunk: no row
+    assert not check_chunk(room, ready([3, 4], last=True), 5.0)  # the last chunk short of decode's 8: P9
+    assert check_chunk(room, ready([2, 3, 4], last=True), 5.0)  # the last chunk: P10, with the aux writes
+
+
+def test_the_first_chunk_leaves_waiting_for_input_by_the_fast_row():
+    room = new_room("prefill")
+    M.step(room, announce(range(8)), 1.0)
+    assert room.state == fastpath.WAITING and fastpath.INPUT in room.timers
+    assert check_chunk(room, ready([0, 1]), 2.0)  # P11: into Transferring.Sending, the input timer cancelled
+    assert check_chunk(room, ready(range(8), last=True), 2.0)  # P10: the whole room as one chunk
 
 
 def test_the_input_timer_is_cancelled_as_p11_does():
@@ -183,7 +209,7 @@ def test_the_input_timer_is_cancelled_as_p11_does():
     assert check_chunk(room, ready([2, 3]), 3.0)
 
 
-def test_the_last_write_of_a_draining_room_takes_the_generic_step():
+def test_the_last_write_of_a_draining_room_takes_p14():
     room = _sending_room()
     M.step(room, ready(range(2, 8), last=True), 3.0)
     assert room.state == fastpath.DRAINING
@@ -191,9 +217,12 @@ def test_the_last_write_of_a_draining_room_takes_the_generic_step():
     for d, c in pending[:-1]:
         assert check_completion(room, WriteCompleted(d, c), 4.0)
         M.step(room, WriteCompleted(d, c), 4.0)
-    assert not check_completion(room, WriteCompleted(*pending[-1]), 5.0)  # P14: Success
+    assert check_completion(room, WriteCompleted(*pending[-1]), 5.0)  # P14: Success
+    room.timers.discard(fastpath.TIMER)  # (no timer armed: none to cancel)
+    assert check_completion(room, WriteCompleted(*pending[-1]), 5.0)
     M.step(room, WriteCompleted(*pending[-1]), 5.0)
     assert room.state == "Success"
+    assert not check_completion(room, WriteCompleted(*pending[-1]), 6.0)  # a late repeat: P17
 
 
 def _edited(row_id: str, machine: str = "prefill_room", **change) -> ProtocolSpec:
