@@ -62,6 +62,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +215,10 @@ def raw_descriptors(
     return out
 
 
-def raw_initiator(conn: Any, src: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int) -> None:
+def raw_initiator(
+    conn: Any, src: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int,
+    floor: tuple[float, ...] = (),
+) -> None:  # fmt: skip
     agent = _raw_agent("raw-p", params)
     agent.register_memory(src)
     aux = _buffer(16 * AUX, "cpu", 1)  # as kvfsm's prefill side has it
@@ -253,7 +257,115 @@ def raw_initiator(conn: Any, src: Any, params: dict[str, str], all_cases: list[d
         case["raw_post_seconds"] = post  # inside NIXL's post, over every repetition
         case["raw_transfers"] = len(descs)  # per repetition (kvfsm_transfers: over all of them)
         case["raw_descriptors_per_chunk"] = sum(d[3] for d in descs) / (rooms * chunks)
+        if floor and case["layout"] == "contig":
+            case["floor"] = {
+                str(work): _floor_case(conn, agent, src, dst, case, (aux.data_ptr(), dst_aux), reps, work)
+                for work in floor
+            }
     conn.send("done")
+
+
+def _busy(seconds: float) -> None:
+    """``--floor``: spin ``seconds`` of CPU in Python (stands for a runtime's work per chunk)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def floor_pass(
+    agent: Any, src: Any, dst: tuple[int, str, int], case: dict[str, Any], aux: tuple[int, int], work_s: float
+) -> tuple[int, float]:
+    """``--floor``: one repetition of a contiguous case as the leanest pipelined Python on NIXL's
+    API would move it, with no protocol: chunks handed over as ``send()`` hands them (every
+    room's chunk c, then c + 1), each checked against the buffer and described as one byte range
+    (a tuple per side) with a notification of its own, plus ``work_s`` of spinning; posted as
+    kvfsm's data plane posts a GPU's writes (at once while nothing is in flight, else held until
+    ``FLUSH_JOBS`` writes or ``FLUSH_BYTES``, then one folded transfer; the aux slots, another
+    memory kind on a GPU, as one transfer at the end), the oldest transfers completed after
+    each post, until the first still in progress. Returns (transfers, engine CPU seconds)."""
+    from kvfsm.transport.nixl import FLUSH_BYTES, FLUSH_JOBS, pack_notifications
+
+    rooms, chunks = case["plan"]
+    page = case["page"]
+    mem, dev = _placement(src)
+    dst_addr, dst_mem, dst_dev = dst
+    base, pages_total = src.data_ptr(), src.numel() // page
+    kv_mems, aux_mems = (mem, dst_mem), ("DRAM", "DRAM")
+    inflight: deque[Any] = deque()
+    held: dict[tuple[str, str], tuple[list[Any], list[Any], list[bytes]]] = {}
+    posted = held_bytes = 0
+
+    def post(mems: tuple[str, str]) -> None:
+        nonlocal posted
+        lrows, rrows, notes = held.pop(mems)
+        note = notes[0] if len(notes) == 1 else pack_notifications(notes)
+        h = agent.initialize_xfer(
+            "WRITE", agent.get_xfer_descs(lrows, mems[0]), agent.get_xfer_descs(rrows, mems[1]), "raw-d", note
+        )
+        agent.transfer(h)
+        inflight.append(h)
+        posted += 1
+        while inflight and agent.check_xfer_state(inflight[0]) == "DONE":
+            agent.release_xfer_handle(inflight.popleft())
+
+    def hold(mems: tuple[str, str], lrow: tuple[int, int, int], rrow: tuple[int, int, int], note: bytes) -> None:
+        lrows, rrows, notes = held.setdefault(mems, ([], [], []))
+        lrows.append(lrow)
+        rrows.append(rrow)
+        notes.append(note)
+
+    work = [[pages_of(case, r, c, "prefill") for r in range(rooms)] for c in range(chunks)]
+    cpu = time.thread_time()
+    for c in range(chunks):
+        last = c == chunks - 1
+        for r in range(rooms):
+            pages = work[c][r]
+            lo, hi = pages[0], pages[-1]
+            if lo < 0 or hi >= pages_total or hi - lo + 1 != len(pages):
+                raise ValueError(f"floor: chunk {c} of room {r} is not one run inside the buffer")
+            if work_s:
+                _busy(work_s)
+            n = len(pages) * page
+            hold(kv_mems, (base + lo * page, n, dev), (dst_addr + lo * page, n, dst_dev), b"%d:%d" % (r, c))
+            held_bytes += n
+            if last:
+                hold(aux_mems, (aux[0] + r * AUX, AUX, 0), (aux[1] + r * AUX, AUX, 0), b"%d:aux" % r)
+            if not inflight or len(held[kv_mems][0]) >= FLUSH_JOBS or held_bytes >= FLUSH_BYTES:
+                post(kv_mems)
+                held_bytes = 0
+    for mems in list(held):
+        post(mems)
+    cpu = time.thread_time() - cpu
+    while inflight:
+        if agent.check_xfer_state(inflight[0]) == "DONE":
+            agent.release_xfer_handle(inflight.popleft())
+    return posted, cpu
+
+
+def _floor_case(
+    conn: Any, agent: Any, src: Any, dst: tuple[int, str, int], case: dict[str, Any], aux: tuple[int, int],
+    reps: int, work_us: float,
+) -> dict[str, Any]:  # fmt: skip
+    """``--floor``: ``reps`` timed repetitions of ``floor_pass`` (after a warm-up), served by
+    ``raw_target`` as raw NIXL's are."""
+    times, cpus, transfers = [], [], []
+    for _ in range(reps + 1):
+        conn.send(("go", _extent(case)))
+        conn.recv()
+        t0 = time.perf_counter()
+        n, cpu = floor_pass(agent, src, dst, case, aux, work_us * 1e-6)
+        times.append(time.perf_counter() - t0)
+        cpus.append(cpu)
+        transfers.append(n)
+        conn.send(n)
+        if conn.recv() != n:
+            raise RuntimeError("floor: the target counted a different number of notifications")
+    return {
+        "seconds": statistics.median(times[1:]),
+        "reps_seconds": times[1:],
+        "cpu_seconds": statistics.median(cpus[1:]),
+        "transfers": statistics.median(transfers[1:]),
+    }
 
 
 def raw_target(conn: Any, dst: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int) -> None:
@@ -520,9 +632,9 @@ def _same_pages(dst: Any, src: Any, sp: list[int], dp: list[int], page: int) -> 
 
 
 def _initiator(parent: Any, conn: Any, nbytes: int, device: str, params: dict[str, str], all_cases: Any,
-               reps: int, boot: str, apis: list[str], profile: bool) -> None:  # fmt: skip
+               reps: int, boot: str, apis: list[str], profile: bool, floor: tuple[float, ...]) -> None:  # fmt: skip
     src = _buffer(nbytes, device, 7)
-    raw_initiator(conn, src, params, all_cases, reps)
+    raw_initiator(conn, src, params, all_cases, reps, floor)
     kvfsm_initiator(conn, src, params, all_cases, reps, boot, apis, profile)
     parent.send(all_cases)
 
@@ -608,6 +720,7 @@ def run(
     apis: tuple[str, ...] = tuple(API_PREFIX),
     profile: bool = False,
     pages: str = "list",
+    floor: tuple[float, ...] = (),
 ) -> list[dict[str, Any]]:
     from kvfsm.transport.zmq import BootstrapServer
 
@@ -622,7 +735,7 @@ def run(
     procs = [
         ctx.Process(
             target=_initiator,
-            args=(child, a, nbytes, device, params, all_cases, reps, server.address, list(apis), profile),
+            args=(child, a, nbytes, device, params, all_cases, reps, server.address, list(apis), profile, floor),
         ),
         ctx.Process(
             target=_target,
@@ -651,6 +764,11 @@ def run(
             pre = API_PREFIX[api]
             c[f"{pre}_gbps"] = moved / c[f"{pre}_seconds"] / 1e9
             c[RATIO[api]] = c[f"{pre}_gbps"] / c["raw_gbps"]
+        for f in c.get("floor", {}).values():
+            f["gbps"] = moved / f["seconds"] / 1e9
+            f["ratio"] = f["gbps"] / c["raw_gbps"]  # against raw NIXL, as kvfsm's
+            f["cpu_us_per_chunk"] = f["cpu_seconds"] / c["transfers"] * 1e6
+            f["transfers_per_chunk"] = f["transfers"] / c["transfers"]
     return measured
 
 
@@ -670,6 +788,21 @@ def table(measured: list[dict[str, Any]], apis: tuple[str, ...] = tuple(API_PREF
         for api in apis:
             row += f" {c[API_PREFIX[api] + '_gbps']:.2f} | {c[RATIO[api]]:.2f} |"
         rows.append(row)
+    return "\n".join(rows)
+
+
+def floor_table(measured: list[dict[str, Any]]) -> str:
+    """``--floor``: per contiguous case and µs of spinning, the floor's GB/s, its ratio to raw
+    NIXL, its engine CPU and transfers per chunk, beside kvfsm's engine CPU per chunk."""
+    rows = ["| chunk | spin µs/chunk | floor GB/s | floor / raw | floor CPU µs/chunk | transfers/chunk |"
+            " kvfsm send() CPU µs/chunk |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in measured:
+        kvfsm = c.get("kvfsm_send_cpu_seconds")
+        mine = f"{kvfsm / c['transfers'] * 1e6:.1f}" if kvfsm is not None else "-"
+        for work, f in c.get("floor", {}).items():
+            size = f"{c['size'] >> 20} MiB" if c["size"] >= MiB else f"{c['size'] >> 10} KiB"
+            rows.append(f"| {size} | {float(work):g} | {f['gbps']:.2f} | {f['ratio']:.2f} | "
+                        f"{f['cpu_us_per_chunk']:.1f} | {f['transfers_per_chunk']:.2f} | {mine} |")  # fmt: skip
     return "\n".join(rows)
 
 
@@ -699,6 +832,12 @@ def main(argv: list[str] | None = None) -> int:
         default="list",
         help="page indices as the engine holds them: Python lists (vLLM) or numpy int64 arrays (SGLang)",
     )
+    ap.add_argument(
+        "--floor",
+        default="",
+        help="comma-separated µs of spinning per chunk: also time, per value, the leanest pipelined Python on NIXL "
+        "with no protocol (contiguous cases; fields floor.<µs>)",
+    )
     ap.add_argument("--check", action="store_true", help="exit 1 if kvfsm < 0.9x raw for contiguous chunks >= 1 MiB")
     args = ap.parse_args(argv)
     apis = tuple(args.api.split(","))
@@ -713,7 +852,8 @@ def main(argv: list[str] | None = None) -> int:
     target = args.target_device or args.device
     layouts = tuple(args.layouts.split(","))
     reps = 1 if args.quick else args.reps
-    measured = run(sizes, budget, reps, args.device, target, params, layouts, apis, args.profile, args.pages)
+    floor = tuple(float(w) for w in args.floor.split(",") if w)
+    measured = run(sizes, budget, reps, args.device, target, params, layouts, apis, args.profile, args.pages, floor)
     goal = [c for c in measured if c["layout"] == "contig" and c["size"] >= MiB]
     worst = {api: min((c[RATIO[api]] for c in goal), default=None) for api in apis}
     result = {
@@ -733,6 +873,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(table(measured, apis))
+    if floor:
+        print(floor_table(measured))
     print(json.dumps(result["goal"]))
     return 1 if args.check and not all(result["goal"]["kvfsm_ge_0.9x_raw_for_chunks_ge_1MiB"].values()) else 0
 
