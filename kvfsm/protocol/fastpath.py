@@ -35,7 +35,7 @@ Pure: no I/O, no clock (the caller sets the timer deadlines it is told to arm).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvfsm.protocol import functions as f
@@ -102,8 +102,8 @@ def applies(machine: RoomMachine) -> bool:
 
 # what P10 and P11 leave to the caller: chunk id, notification, per decode rank (rank,
 # destination pages, contiguous), whether the input timer was armed, and (P10) the aux writes,
-# one per decode rank in the same order (empty for P11)
-ChunkPosts = tuple[int, ChunkWritten, list[tuple[int, Pages, bool]], bool, list[PostAuxWrite]]
+# one per decode rank in the same order (none for P11)
+ChunkPosts = tuple[int, ChunkWritten, list[tuple[int, Pages, bool]], bool, Sequence[PostAuxWrite]]
 
 
 def chunk(room: PrefillRoom, ev: ChunkReady) -> ChunkPosts | None:
@@ -130,7 +130,7 @@ def chunk(room: PrefillRoom, ev: ChunkReady) -> ChunkPosts | None:
     chunk_id, note, writes = f.advance(room, ev)
     timers.add(TIMER)
     room.last_row = "P10" if last else "P11"
-    return chunk_id, note, writes, cancelled, [f.aux_write(room, ev, w[0]) for w in writes] if last else []
+    return chunk_id, note, writes, cancelled, [f.aux_write(room, ev, w[0]) for w in writes] if last else ()
 
 
 def completion(room: PrefillRoom, dest: int, chunk_id: int) -> bool:

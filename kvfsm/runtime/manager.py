@@ -288,7 +288,7 @@ class Manager:
         # the rows taken once per chunk or write, applied directly (kvfsm.protocol.fastpath)
         # where this machine's rows are exactly those; off, every event takes the generic step
         self.fast_rows = fastpath.applies(self.machine)
-        self._fast_posting = False  # prefill: carrying out P11's posts (see _fast_ok)
+        self._fast_posting = False  # prefill: carrying out P11's or P10's posts (see _fast_ok)
         self._transfer_s = self.machine.timeouts.get(fastpath.TIMER, 0.0)
         self.codec: Codec = protocol.codec
         self.clock = clock
@@ -489,9 +489,9 @@ class Manager:
     def _fast_ok(self) -> bool:
         """May an inbound event take its fast row now? Only with nothing queued before it (events
         apply in order) and no room in the middle of a generic step (run to completion). While
-        a chunk of P11 is being posted its room is already stepped, so a write that a posting
-        caller finds completed meanwhile (the NIXL data plane completes transfers as it posts)
-        takes it too, instead of waiting in the queue for the post's end."""
+        a chunk of P11 or P10 is being posted its room is already stepped, so a write that a
+        posting caller finds completed meanwhile (the NIXL data plane completes transfers as it
+        posts) takes it too, instead of waiting in the queue for the post's end."""
         return self.fast_rows and not self._queue and (not self._draining or self._fast_posting)
 
     def _dispatch(self, rid: int, event: Event) -> None:
