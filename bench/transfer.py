@@ -45,6 +45,15 @@ windows (decode's: from its announcement to Success) and the calls and wall seco
 initiator NIXL method per thread (the wrapper costs ~1 µs per call: compare profiles with
 profiles only).
 
+``--floor 0,8,16`` also times, per contiguous case and per value, the leanest pipelined Python
+on NIXL's API with no protocol (``floor_pass``: each chunk checked and described as one byte
+range with a notification, plus that many µs of spinning, posted as kvfsm's data plane posts a
+GPU's writes: folded Nagle-style, the oldest transfers completed after each post), in the raw
+NIXL processes after raw NIXL's own repetitions (fields ``floor.<µs>``: GB/s, ratio to raw NIXL,
+engine CPU and transfers per chunk). With no spinning it is the most any Python runtime gets
+from NIXL's Python API here; the spinning maps how much per-chunk work a runtime may add
+before it falls below raw NIXL.
+
 Writes JSON (default bench/results/transfer.json); ``goal`` is per engine API. ``--check``
 exits 1 if kvfsm falls below 0.9x raw NIXL for any contiguous case with chunks >= 1 MiB, with
 any API measured.
@@ -231,12 +240,10 @@ def raw_initiator(
     for case in all_cases:
         rooms, chunks = case["plan"]
         descs = raw_descriptors(agent, src, dst, case, (aux.data_ptr(), dst_aux))
-        times = []
         post = 0.0
-        for _ in range(reps + 1):  # the first repetition warms up
-            conn.send(("go", _extent(case)))
-            conn.recv()
-            t0 = time.perf_counter()
+
+        def one(descs: list[tuple[str, Any, Any, int]] = descs) -> int:
+            nonlocal post
             for kind, a, b, _ in descs:
                 if kind == "prepped":
                     h = agent.make_prepped_xfer("WRITE", lp, a, rp, b, b"raw")
@@ -248,10 +255,9 @@ def raw_initiator(
                 while agent.check_xfer_state(h) != "DONE":
                     pass
                 agent.release_xfer_handle(h)
-            times.append(time.perf_counter() - t0)
-            conn.send(len(descs))  # one notification per transfer
-            if conn.recv() != len(descs):
-                raise RuntimeError("raw NIXL: the target counted a different number of notifications")
+            return len(descs)
+
+        times = [t for t, _ in _target_served(conn, case, reps, one)]
         case["raw_reps_seconds"] = times[1:]  # every measured repetition (the spread within a run)
         case["raw_seconds"] = statistics.median(times[1:])
         case["raw_post_seconds"] = post  # inside NIXL's post, over every repetition
@@ -348,24 +354,37 @@ def _floor_case(
 ) -> dict[str, Any]:  # fmt: skip
     """``--floor``: ``reps`` timed repetitions of ``floor_pass`` (after a warm-up), served by
     ``raw_target`` as raw NIXL's are."""
-    times, cpus, transfers = [], [], []
+    cpus: list[float] = []
+
+    def one() -> int:
+        n, cpu = floor_pass(agent, src, dst, case, aux, work_us * 1e-6)
+        cpus.append(cpu)
+        return n
+
+    timed = _target_served(conn, case, reps, one)[1:]
+    return {
+        "seconds": statistics.median(t for t, _ in timed),
+        "reps_seconds": [t for t, _ in timed],
+        "cpu_seconds": statistics.median(cpus[1:]),
+        "transfers": statistics.median(n for _, n in timed),
+    }
+
+
+def _target_served(conn: Any, case: dict[str, Any], reps: int, one: Any) -> list[tuple[float, int]]:
+    """``reps`` + 1 repetitions of ``one`` (the first warms up), each after ``raw_target`` has
+    zeroed what the case writes, timed, and checked: ``one`` returns the transfers it posted and
+    the target must count as many notifications. (seconds, transfers) per repetition."""
+    out = []
     for _ in range(reps + 1):
         conn.send(("go", _extent(case)))
         conn.recv()
         t0 = time.perf_counter()
-        n, cpu = floor_pass(agent, src, dst, case, aux, work_us * 1e-6)
-        times.append(time.perf_counter() - t0)
-        cpus.append(cpu)
-        transfers.append(n)
-        conn.send(n)
+        n = one()
+        out.append((time.perf_counter() - t0, n))
+        conn.send(n)  # one notification per transfer
         if conn.recv() != n:
-            raise RuntimeError("floor: the target counted a different number of notifications")
-    return {
-        "seconds": statistics.median(times[1:]),
-        "reps_seconds": times[1:],
-        "cpu_seconds": statistics.median(cpus[1:]),
-        "transfers": statistics.median(transfers[1:]),
-    }
+            raise RuntimeError("raw NIXL: the target counted a different number of notifications")
+    return out
 
 
 def raw_target(conn: Any, dst: Any, params: dict[str, str], all_cases: list[dict[str, Any]], reps: int) -> None:
