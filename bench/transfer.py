@@ -383,7 +383,7 @@ def _target_served(conn: Any, case: dict[str, Any], reps: int, one: Any) -> list
         out.append((time.perf_counter() - t0, n))
         conn.send(n)  # one notification per transfer
         if conn.recv() != n:
-            raise RuntimeError("raw NIXL: the target counted a different number of notifications")
+            raise RuntimeError("bench: the target counted a different number of notifications")
     return out
 
 
