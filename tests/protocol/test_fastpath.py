@@ -68,7 +68,7 @@ def check_chunk(room, ev: ChunkReady, now: float) -> bool:
 
 
 def _check_rearm(machine, room, ev, now: float, apply, row: str) -> bool:
-    """A fast row that leaves the caller only the transfer timer to arm (P15, D8): ``apply``
+    """A fast row that leaves the caller only the transfer timer to arm (D8): ``apply``
     tries it on one copy, ``machine`` steps ``ev`` on another."""
     fast, generic = copy.deepcopy(room), copy.deepcopy(room)
     if not apply(fast):
