@@ -67,15 +67,16 @@ def check_chunk(room, ev: ChunkReady, now: float) -> bool:
     return True
 
 
-def _check_rearm(machine, room, ev, now: float, apply, row: str) -> bool:
-    """A fast row that leaves the caller only the transfer timer to arm (D8): ``apply``
-    tries it on one copy, ``machine`` steps ``ev`` on another."""
+def _check_fast(machine, room, ev, now: float, apply, expect) -> bool:
+    """A fast row that leaves the caller only timers to set (P15, P14, D8): ``apply`` tries it on
+    one copy, ``machine`` steps ``ev`` on another; ``expect(fast copy)`` gives the actions and the
+    row the generic step must have taken."""
     fast, generic = copy.deepcopy(room), copy.deepcopy(room)
     if not apply(fast):
         assert snapshot(fast) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
         return False
     actions = machine.step(generic, ev, now)
-    want = [SetTimer(fastpath.TIMER, now + machine.timeouts[fastpath.TIMER])]
+    want, row = expect(fast)
     assert _fields(actions) == _fields(want), f"{ev} in {room.state}"
     assert generic.last_row == row
     assert snapshot(fast) == snapshot(generic), f"{ev} in {room.state}: rooms differ"
@@ -83,21 +84,15 @@ def _check_rearm(machine, room, ev, now: float, apply, row: str) -> bool:
 
 
 def check_completion(room, ev: WriteCompleted, now: float) -> bool:
-    """P15 (as ``_check_rearm``) or P14: a draining room's last write, the room in Success and
-    the transfer timer cancelled if it was armed, as the generic step does."""
-    fast, generic = copy.deepcopy(room), copy.deepcopy(room)
-    if not fastpath.completion(fast, ev.dest_rank, ev.chunk_id):
-        assert snapshot(fast) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
-        return False
-    actions = M.step(generic, ev, now)
-    if fast.state == room.state:
-        want = [SetTimer(fastpath.TIMER, now + TRANSFER_S)]
-    else:
-        want = [CancelTimer(fastpath.TIMER)] if fastpath.TIMER in room.timers else []
-    assert _fields(actions) == _fields(want), f"{ev} in {room.state}"
-    assert generic.last_row == ("P15" if fast.state == room.state else "P14")
-    assert snapshot(fast) == snapshot(generic), f"{ev} in {room.state}: rooms differ"
-    return True
+    """P15 (the transfer timer re-armed) or P14: a draining room's last write, the room in
+    Success and the transfer timer cancelled if it was armed, as the generic step does."""
+
+    def expect(fast):
+        if fast.state == room.state:
+            return [SetTimer(fastpath.TIMER, now + TRANSFER_S)], "P15"
+        return ([CancelTimer(fastpath.TIMER)] if fastpath.TIMER in room.timers else []), "P14"
+
+    return _check_fast(M, room, ev, now, lambda r: fastpath.completion(r, ev.dest_rank, ev.chunk_id), expect)
 
 
 # chunks and completions most of the time, anything else (aborts, timers, ...) now and then
@@ -257,7 +252,8 @@ D = MACHINES["decode"]
 
 
 def check_arrival(room, ev: ChunkArrived, now: float) -> bool:
-    return _check_rearm(D, room, ev, now, lambda r: fastpath.arrival(r, ev), "D8")
+    rearm = [SetTimer(fastpath.TIMER, now + D.timeouts[fastpath.TIMER])]
+    return _check_fast(D, room, ev, now, lambda r: fastpath.arrival(r, ev), lambda fast: (rearm, "D8"))
 
 
 @st.composite
