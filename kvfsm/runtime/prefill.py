@@ -337,7 +337,7 @@ class PrefillManager(Manager):
     def _post_kv(
         self, rt: RoomRuntime, dest: int, chunk_id: int, src: Pages, dst: Pages, notification: Message, contiguous: bool
     ) -> None:
-        """Post one KV write (a PostWrite's fields: row P11 posts without building one)."""
+        """Post one KV write (a PostWrite's fields: the fast rows P11 and P10 post without building one)."""
         tag = (rt.room.room, dest, chunk_id)
         try:
             segments = coalesce(src, dst, self.page_bytes, one_run=contiguous)
