@@ -258,6 +258,55 @@ def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flus
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_while_a_transfer_is_in_flight_small_writes_are_held_and_a_large_one_goes_at_once() -> None:
+    """Caller-posted writes smaller than ``hold_below`` are held while a transfer is in flight,
+    from ``write`` and from ``write_many`` alike (the poller's round or a later post takes them);
+    a write of ``hold_below`` bytes or more is posted at once, with whatever is held, from
+    either. Every write lands and completes once."""
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    block = 4096
+    sizes = [1, 1, 1, 1, 2, 1, 2]  # blocks per write, in order: 2 blocks is "large" here
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    a = NixlDataPlane("hold-a", caller_posts="always", hold_below=2 * block)
+    b = NixlDataPlane("hold-b")
+    src = np.random.default_rng(8).integers(0, 256, sum(sizes) * block, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    completions, done, on_a = _counting(len(sizes))
+
+    def w(i: int) -> Any:
+        seg = Segment(starts[i] * block, starts[i] * block, sizes[i] * block)
+        return (b.name, "kv", [seg], str(i).encode(), ("s", i))
+
+    try:
+        _connect(a, b, src, dst, block, on_a, lambda item: None)
+        pause = {"_progress": lambda *args: None, "_completions": lambda *args: None, "_flush_held": lambda: None}
+        vars(a).update(pause)  # the first transfer stays in flight, as far as a knows
+        time.sleep(0.05)
+        a.write(*w(0))
+        assert a.stats["transfers"] == 1 and not a._held, "nothing in flight: posted at once"
+        a.write(*w(1))
+        assert a.write_many([w(2), w(3)]) == [block, block]
+        assert a.stats["transfers"] == 1 and len(a._held) == 3, "small writes are held, write_many's too"
+        a.write(*w(4))
+        assert a.stats["transfers"] == 2 and not a._held, "a large write goes at once, the held ones with it"
+        assert a.write_many([w(5), w(6)]) == [block, 2 * block]
+        assert a.stats["transfers"] == 3 and not a._held, "a batch with a large write goes at once"
+        for name in pause:
+            delattr(a, name)  # the class's methods again
+        assert done.wait(20)
+        assert sorted(c.tag for c in completions) == [("s", i) for i in range(len(sizes))]
+        assert all(c.ok for c in completions)
+        deadline = time.monotonic() + 10
+        while not (dst == src).all() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert (dst == src).all()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_flush_posts_the_held_writes_at_once_and_their_completions_follow() -> None:
     """``flush()`` (the owner waits: ``Manager.wait``) posts the writes a caller held back in
     the caller's own thread, with no poller round, and their completions follow soon (the
@@ -453,9 +502,9 @@ def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_f
     n = HOLD_LIMIT * flush
     a = NixlDataPlane("busymany-a", caller_posts="always", flush_jobs=flush)
     b = NixlDataPlane("busymany-b")
-    src = np.random.default_rng(6).integers(0, 256, (n + 1) * block, dtype=np.uint8)
+    src = np.random.default_rng(6).integers(0, 256, (n + flush) * block, dtype=np.uint8)
     dst = np.zeros_like(src)
-    completions, done, on_a = _counting(n + 1)
+    completions, done, on_a = _counting(n + flush)
 
     def batch(lo: int, hi: int) -> list[Any]:
         return [("busymany-b", "kv", [Segment(i * block, i * block, block)], str(i).encode(), ("w", i))
@@ -475,7 +524,8 @@ def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_f
         )
         assert returned and held == n - 1, "below the limit write_many holds its writes"
         assert waited, "at the limit write_many should wait for the agent"
-        other = threading.Thread(target=lambda: results.append(a.write_many(batch(n, n + 1))))
+        # (a batch of flush_jobs writes: a smaller one would be held while a transfer is in flight)
+        other = threading.Thread(target=lambda: results.append(a.write_many(batch(n, n + flush))))
         with a._lock:  # as if the poller were inside a status check: no post under way
             other.start()
             other.join(0.2)
@@ -484,9 +534,9 @@ def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_f
         for name in pause:
             delattr(a, name)  # the class's methods again: the poller completes what is in flight
         assert waited_for_check and not other.is_alive(), "with no post under way write_many waits"
-        assert [r for batch_result in results for r in batch_result] == [block] * (n + 1)
+        assert [r for batch_result in results for r in batch_result] == [block] * (n + flush)
         assert done.wait(20)
-        assert sorted(c.tag for c in completions) == [("w", i) for i in range(n + 1)]
+        assert sorted(c.tag for c in completions) == [("w", i) for i in range(n + flush)]
         assert all(c.ok for c in completions) and (dst == src).all()
     finally:
         a.close()
@@ -596,14 +646,14 @@ def test_auto_lets_the_caller_post_device_and_tiny_host_writes_and_the_thread_th
 @pytest.mark.parametrize("caller_posts", ["always", "never"])
 def test_write_many_posts_a_batch_together_and_refuses_only_its_bad_writes(caller_posts: str) -> None:
     """``write_many``: each write is validated on its own (a bad one gets its TransportError in the
-    result and moves nothing; the others go on). Posted by the caller, the batch goes at once and
-    folded into one transfer, although a transfer is in flight (no Nagle hold); either way every
-    good write lands, notifies after its data and completes once."""
+    result and moves nothing; the others go on). Posted by the caller, a batch of ``flush_jobs``
+    writes or more goes at once and folded into one transfer, although a transfer is in flight;
+    either way every good write lands, notifies after its data and completes once."""
     from kvfsm.transport.base import TransportError
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, n = 4096, 24
-    a = NixlDataPlane(f"many-a-{caller_posts}", caller_posts=caller_posts)
+    a = NixlDataPlane(f"many-a-{caller_posts}", caller_posts=caller_posts, flush_jobs=8)
     b = NixlDataPlane(f"many-b-{caller_posts}")
     peer = b.name
     src = np.random.default_rng(5).integers(0, 256, n * block, dtype=np.uint8)
