@@ -285,11 +285,11 @@ def floor_pass(
     API would move it, with no protocol: chunks handed over as ``send()`` hands them (every
     room's chunk c, then c + 1), each checked against the buffer and described as one byte range
     (a tuple per side) with a notification of its own, plus ``work_s`` of spinning; posted as
-    kvfsm's data plane posts a GPU's writes (at once while nothing is in flight, else held until
-    ``FLUSH_JOBS`` writes or ``FLUSH_BYTES``, then one folded transfer; the aux slots, another
-    memory kind on a GPU, as one transfer at the end), the oldest transfers completed after
-    each post, until the first still in progress. Returns (transfers, engine CPU seconds)."""
-    from kvfsm.transport.nixl import FLUSH_BYTES, FLUSH_JOBS, pack_notifications
+    kvfsm's data plane posts a GPU's writes (at once while nothing is in flight or for a chunk of
+    ``HOLD_BELOW_BYTES`` or more, else held until ``FLUSH_JOBS`` writes or ``FLUSH_BYTES``, then
+    one folded transfer; the aux slots, another memory kind on a GPU, as one transfer at the
+    end), the oldest transfers completed after each post, until the first still in progress. Returns (transfers, engine CPU seconds)."""
+    from kvfsm.transport.nixl import FLUSH_BYTES, FLUSH_JOBS, HOLD_BELOW_BYTES, pack_notifications
 
     rooms, chunks = case["plan"]
     page = case["page"]
@@ -336,7 +336,12 @@ def floor_pass(
             held_bytes += n
             if last:
                 hold(aux_mems, (aux[0] + r * AUX, AUX, 0), (aux[1] + r * AUX, AUX, 0), b"%d:aux" % r)
-            if not inflight or len(held[kv_mems][0]) >= FLUSH_JOBS or held_bytes >= FLUSH_BYTES:
+            if (
+                not inflight
+                or n >= HOLD_BELOW_BYTES
+                or len(held[kv_mems][0]) >= FLUSH_JOBS
+                or held_bytes >= FLUSH_BYTES
+            ):
                 post(kv_mems)
                 held_bytes = 0
     for mems in list(held):
@@ -838,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
         "--plane",
         action="append",
         default=[],
-        help="kvfsm NixlDataPlane option KEY=VALUE: caller_posts=auto|always|never, flush_jobs, flush_bytes, "
+        help="kvfsm NixlDataPlane option KEY=VALUE: caller_posts=auto|always|never, flush_jobs, flush_bytes, hold_below, "
         "progress_thread=1, busy_poll_s, idle_poll_s, hot_window_s",
     )
     ap.add_argument("--sizes", help="comma-separated chunk sizes in KiB (default: 4 KiB ... 256 MiB)")
