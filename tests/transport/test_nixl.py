@@ -81,6 +81,14 @@ def _connect(a: Any, b: Any, src: np.ndarray, dst: np.ndarray, block: int, on_a:
     b.add_peer(a.name, a.descriptor())
 
 
+def _landed(dst: np.ndarray, src: np.ndarray, timeout: float = 10.0) -> bool:
+    """Does ``dst`` come to equal ``src`` within ``timeout`` (a peer's writes land in it)?"""
+    deadline = time.monotonic() + timeout
+    while not (dst == src).all() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return bool((dst == src).all())
+
+
 def _counting(n: int) -> tuple[list[Inbound], threading.Event, Any]:
     """A handler that collects completions and sets the event at the ``n``-th."""
     got: list[Inbound] = []
@@ -297,10 +305,7 @@ def test_while_a_transfer_is_in_flight_small_writes_are_held_and_a_large_one_goe
         assert done.wait(20)
         assert sorted(c.tag for c in completions) == [("s", i) for i in range(len(sizes))]
         assert all(c.ok for c in completions)
-        deadline = time.monotonic() + 10
-        while not (dst == src).all() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert (dst == src).all()
+        assert _landed(dst, src)
     finally:
         a.close()
         b.close()
@@ -334,10 +339,7 @@ def test_flush_posts_the_held_writes_at_once_and_their_completions_follow() -> N
         assert not a._held and a.stats["transfers"] == 2, "flush posts every held write, folded, at once"
         assert done.wait(20), "the flushed writes did not complete"
         assert sorted(c.tag for c in completions) == [("f", i) for i in range(n)] and all(c.ok for c in completions)
-        deadline = time.monotonic() + 10
-        while not (dst == src).all() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert (dst == src).all()
+        assert _landed(dst, src)
     finally:
         a.close()
         b.close()
