@@ -579,12 +579,7 @@ class NixlDataPlane:
             with self._held_lock:
                 self._held += mine
                 self._held_bytes += sum(j.total for j in mine)
-                if (
-                    self._inflight
-                    and len(self._held) < self.flush_jobs
-                    and self._held_bytes < self.flush_bytes
-                    and largest < self.hold_below
-                ):
+                if self._nagle_holds(len(self._held), largest):
                     return out  # held as write() holds them: the poller's round posts them
                 # Hold them only while a post is under way (on host memory it lasts the whole
                 # copy); a poller's status check ends soon, and until the waiter takes the lock the
@@ -744,12 +739,7 @@ class NixlDataPlane:
             self._held.append(job)
             self._held_bytes += job.total
             held = len(self._held)
-            if (
-                self._inflight
-                and held < self.flush_jobs
-                and self._held_bytes < self.flush_bytes
-                and job.total < self.hold_below
-            ):
+            if self._nagle_holds(held, job.total):
                 return
             wait = job.total >= BIG_WRITE_BYTES or held >= HOLD_LIMIT * self.flush_jobs
             if not self._lock.acquire(blocking=wait):
@@ -775,6 +765,16 @@ class NixlDataPlane:
             self._kick_poller()
         if done:
             self._hand_over(done)
+
+    def _nagle_holds(self, held: int, largest: int) -> bool:
+        """Do the ``held`` writes (``_held_bytes``; the newest's largest ``largest`` bytes) stay
+        held, Nagle-style (``_post_now``)? (Under ``_held_lock``.)"""
+        return bool(
+            self._inflight
+            and held < self.flush_jobs
+            and self._held_bytes < self.flush_bytes
+            and largest < self.hold_below
+        )
 
     def _kick_poller(self) -> None:
         """Wake the poller (a transfer is in flight now). Set already, the event is left alone:
