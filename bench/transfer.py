@@ -288,7 +288,8 @@ def floor_pass(
     kvfsm's data plane posts a GPU's writes (at once while nothing is in flight or for a chunk of
     ``HOLD_BELOW_BYTES`` or more, else held until ``FLUSH_JOBS`` writes or ``FLUSH_BYTES``, then
     one folded transfer; the aux slots, another memory kind on a GPU, as one transfer at the
-    end), the oldest transfers completed after each post, until the first still in progress. Returns (transfers, engine CPU seconds)."""
+    end), the oldest transfers completed after each post, until the first still in progress.
+    Returns (transfers, engine CPU seconds)."""
     from kvfsm.transport.nixl import FLUSH_BYTES, FLUSH_JOBS, HOLD_BELOW_BYTES, pack_notifications
 
     rooms, chunks = case["plan"]

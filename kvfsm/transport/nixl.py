@@ -767,8 +767,8 @@ class NixlDataPlane:
             self._hand_over(done)
 
     def _nagle_holds(self, held: int, largest: int) -> bool:
-        """Do the ``held`` writes (``_held_bytes``; the newest's largest ``largest`` bytes) stay
-        held, Nagle-style (``_post_now``)? (Under ``_held_lock``.)"""
+        """Do the ``held`` writes (``_held_bytes`` in all, the largest just added ``largest``
+        bytes) stay held, Nagle-style (``_post_now``)? (Under ``_held_lock``.)"""
         return bool(
             self._inflight
             and held < self.flush_jobs
