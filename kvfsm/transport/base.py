@@ -363,6 +363,11 @@ class SplitEndpoint:
         if flush is not None:
             flush()
 
+    def drive(self, timeout: float) -> bool:
+        """Pass the offer on to a data plane that offers ``drive`` (False: nothing done)."""
+        drive = getattr(self.data, "drive", None)
+        return bool(drive(timeout)) if drive is not None else False
+
     def write_many(self, writes: Sequence[Write]) -> list[int | Exception]:
         return write_many(self.data, writes)
 

@@ -384,6 +384,7 @@ class NixlDataPlane:
         self._wake = threading.Event()
         self._closed = False
         self._posting = 0  # posts waiting for or holding the agent (read by the poller without a lock)
+        self._driving = 0  # owners' threads progressing the agent themselves (drive): the poller stands back
         self._posting_lock = threading.Lock()
         # The guard of a posting caller's completion checks (it holds the agent's lock already):
         # a lock only that caller takes, so never contended, and cheaper than a nullcontext.
@@ -455,6 +456,46 @@ class NixlDataPlane:
         if jobs:
             self._post_locked(jobs)
         self._hurry_poller()
+
+    def drive(self, timeout: float) -> bool:
+        """The owner's offer (``Manager.wait``, after ``flush``): its thread, idle until its
+        writes complete, checks the in-flight transfers itself for up to ``timeout`` seconds
+        (every ``tail_poll_s`` at first, slower as the wait lasts, as the poller would) and
+        hands over what it finds done, in its own thread, returning as soon as it did. The
+        poller stands back meanwhile. Between a transfer's end and the owner seeing its room
+        succeed there is then no wake-up of the poller and then of the owner (each ~50-90 µs
+        on a VM). False at once, nothing done, where there is nothing for it to do: nothing of
+        ours in flight, or the posting thread at work (its posts need the agent, and on host
+        memory each copies inside its post: the owner then waits to be woken)."""
+        if self._closed or not self._inflight or self._jobs or self._posting:
+            return False
+        with self._posting_lock:
+            self._driving += 1
+        try:
+            start = now = time.monotonic()
+            end = start + timeout
+            full_scan = start + FULL_SCAN_S
+            while True:
+                items: list[Inbound] = []
+                full = now >= full_scan
+                if full:
+                    full_scan = now + FULL_SCAN_S
+                self._progress(items, full)
+                self._flush_held()
+                if items:
+                    self._hand_over(items)
+                    return True
+                if not self._inflight or self._jobs or self._posting or self._closed:
+                    return True
+                now = time.monotonic()
+                if now >= end:
+                    return True
+                time.sleep(min(self.busy_poll_s, max(self.tail_poll_s, (now - start) / 8), end - now))
+                now = time.monotonic()
+        finally:
+            with self._posting_lock:
+                self._driving -= 1
+            self._kick_poller()
 
     def _hurry_poller(self) -> None:
         """End the poller's sleep between rounds now (or its next one, if it is not asleep)."""
@@ -942,7 +983,7 @@ class NixlDataPlane:
             if self._closed:
                 return
             now = time.monotonic()
-            if self._posting and now - last_round < MAX_DEFER_S:
+            if (self._posting or self._driving) and now - last_round < MAX_DEFER_S:
                 # a post waits for the agent or is inside it (on host memory: copying): let it
                 # go first, woken when it ends rather than every busy_poll_s (a wake-up costs
                 # ~30 µs of CPU on a VM, which a long copy would pay every 200 µs)
