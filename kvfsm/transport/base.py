@@ -260,6 +260,13 @@ class DataPlane(Protocol):
     # together posts them now, and one that polls for completions polls closely until the
     # next write (no polling interval added to the last writes' latency).
 
+    # Optional: ``drive(timeout: float) -> bool``, the owner's offer of its idle thread while it
+    # waits for its writes (``Manager.wait``, after ``flush``): a data plane that must poll for
+    # completions checks its in-flight transfers in that thread for up to ``timeout`` seconds
+    # and hands what completes over to its handler there, returning True as soon as it did (or
+    # when ``timeout`` passed); False at once, doing nothing, if it has nothing to drive (the
+    # owner then blocks until it is woken). A data plane that delivers by itself omits it.
+
 
 def write_many(plane: Any, writes: Sequence[Write]) -> list[int | Exception]:
     """``plane.write_many(writes)`` if the data plane (or endpoint) has it, else one ``write`` at a
