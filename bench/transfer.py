@@ -137,7 +137,7 @@ def _buffer(nbytes: int, device: str, seed: int | None) -> Any:
 def _extent(case: dict[str, Any]) -> int:
     """The bytes of the target's buffer that a repetition of ``case`` writes: its first ones."""
     rooms, chunks = case["plan"]
-    return case["size"] * rooms * chunks
+    return int(case["size"] * rooms * chunks)
 
 
 def _clear(dst: Any, nbytes: int) -> None:

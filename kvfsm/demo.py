@@ -26,6 +26,8 @@ from kvfsm.runtime import KVReceiver, KVSender, RuntimeConfig
 from kvfsm.testing import LoopbackCluster
 from kvfsm.transport.loopback import Faults
 
+KILL_CHUNK_INTERVAL_S = 0.4  # --kill-prefill without --chunk-interval: the pause between chunk rounds
+
 
 @dataclass
 class DemoConfig:
@@ -292,7 +294,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     real.add_argument("--kill-prefill", type=int, default=None, metavar="RANK",
                       help="SIGKILL this prefill rank's process in the middle of the second wave")  # fmt: skip
-    real.add_argument("--chunk-interval", type=float, default=0.0, help="prefill: seconds between chunk rounds")
+    real.add_argument(
+        "--chunk-interval",
+        type=float,
+        default=None,
+        help=f"prefill: seconds between chunk rounds (default 0, or {KILL_CHUNK_INTERVAL_S} with --kill-prefill, so "
+        "that the kill lands mid-transfer: without a pause a wave moves in milliseconds)",
+    )
     real.add_argument("--batch", action="store_true", help="prefill: each chunk round of all rooms in one send_many()")
     real.add_argument("--ucx", action="append", default=[], metavar="KEY=VALUE", help="NIXL UCX backend parameter")
     real.add_argument("--prefill-netns", default="", help="run prefill ranks (and bootstrap) in this netns")
@@ -315,12 +323,21 @@ def _shape(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _chunk_interval(args: argparse.Namespace) -> float:
+    """``--chunk-interval``, defaulting to KILL_CHUNK_INTERVAL_S when a prefill rank is to be
+    killed: the kill comes at the second wave's first chunk, and a wave of the defaults moves in
+    a few milliseconds, so without pauses the rooms were over before the kill landed."""
+    if args.chunk_interval is not None:
+        return float(args.chunk_interval)
+    return KILL_CHUNK_INTERVAL_S if args.kill_prefill is not None else 0.0
+
+
 def main_processes(args: argparse.Namespace) -> int:
     from kvfsm.node import ClusterConfig, run_cluster
 
     cfg = ClusterConfig(
         **_shape(args),
-        chunk_interval=args.chunk_interval,
+        chunk_interval=_chunk_interval(args),
         ucx_params=dict(kv.split("=", 1) for kv in args.ucx),
         prefill_host=args.prefill_host,
         decode_host=args.decode_host,

@@ -53,3 +53,20 @@ def test_demo_under_loss_duplication_and_reordering_concludes_every_room() -> No
 def test_docs_check_passes_on_the_committed_docs() -> None:
     out = _kvfsm("docs", "--check")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_kill_prefill_without_a_chunk_interval_pauses_between_chunk_rounds() -> None:
+    """``--kill-prefill`` alone gets pauses between chunk rounds (a wave of the defaults moves in
+    milliseconds, so the kill used to land after the rooms were over); an explicit
+    ``--chunk-interval``, 0 included, is kept, and no kill means no pause."""
+    import argparse
+
+    from kvfsm import demo
+
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    interval = demo._chunk_interval
+    assert interval(p.parse_args(["--kill-prefill", "0"])) == demo.KILL_CHUNK_INTERVAL_S > 0
+    assert interval(p.parse_args(["--kill-prefill", "0", "--chunk-interval", "0"])) == 0.0
+    assert interval(p.parse_args(["--kill-prefill", "1", "--chunk-interval", "0.25"])) == 0.25
+    assert interval(p.parse_args([])) == 0.0
