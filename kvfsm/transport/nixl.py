@@ -465,13 +465,16 @@ class NixlDataPlane:
         """The owner's offer (``Manager.wait``, after ``flush``): its thread, idle until its
         writes complete, checks the in-flight transfers itself for up to ``timeout`` seconds
         (every ``tail_poll_s`` at first, slower as the wait lasts, as the poller would) and
-        hands over what it finds done, in its own thread, returning as soon as it did. The
-        poller stands back meanwhile. Between a transfer's end and the owner seeing its room
-        succeed there is then no wake-up of the poller and then of the owner (each ~50-90 µs
-        on a VM). False at once, nothing done, where there is nothing for it to do: nothing of
-        ours in flight, or the posting thread at work (its posts need the agent, and on host
-        memory each copies inside its post: the owner then waits to be woken)."""
-        if self._closed or not self._inflight or self._jobs or self._posting:
+        hands over what it finds done, in its own thread, returning True as soon as it did.
+        The poller stands back meanwhile (drive does its rounds). Between a transfer's end and
+        the owner seeing its room succeed there is then no wake-up of the poller and then of
+        the owner (each ~50-90 µs on a VM). False at once, nothing done, where there is
+        nothing for it to do: nothing of ours in flight; the posting thread at work (its posts
+        need the agent, and on host memory each copies inside its post: the owner then waits
+        to be woken); or a write handed over since the owner's last ``flush`` (another of its
+        threads posts again: the poller's busy pace and the posting caller complete the
+        transfers then)."""
+        if self._closed or not self._inflight or self._jobs or self._posting or self._handed != self._flushed:
             return False
         with self._posting_lock:
             self._driving += 1
@@ -485,12 +488,13 @@ class NixlDataPlane:
                 if full:
                     full_scan = now + FULL_SCAN_S
                 self._progress(items, full)
-                self._flush_held()
                 if items:
                     self._hand_over(items)
                     return True
                 if not self._inflight or self._jobs or self._posting or self._closed:
                     return True
+                if self._handed != self._flushed:
+                    return False
                 now = time.monotonic()
                 if now >= end:
                     return True
@@ -987,11 +991,12 @@ class NixlDataPlane:
             if self._closed:
                 return
             now = time.monotonic()
-            if (self._posting or self._driving) and now - last_round < MAX_DEFER_S:
+            if self._driving or (self._posting and now - last_round < MAX_DEFER_S):
                 # a post waits for the agent or is inside it (on host memory: copying): let it
                 # go first, woken when it ends rather than every busy_poll_s (a wake-up costs
-                # ~30 µs of CPU on a VM, which a long copy would pay every 200 µs)
-                self._wake.wait(MAX_DEFER_S - (now - last_round))
+                # ~30 µs of CPU on a VM, which a long copy would pay every 200 µs); an owner's
+                # thread drives the agent (drive: it does this poller's rounds meanwhile)
+                self._wake.wait(MAX_DEFER_S if self._driving else MAX_DEFER_S - (now - last_round))
                 self._wake.clear()
                 continue
             last_round = now

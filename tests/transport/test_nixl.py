@@ -418,7 +418,9 @@ def test_drive_completes_the_transfers_in_flight_in_the_owners_thread() -> None:
     poller asleep between busy rounds (a minute here), the calling thread checks the transfer
     itself and hands its completion over, in that thread, soon after the transfer ends, and
     returns True then; a transfer that outlasts ``timeout`` makes it return True after
-    ``timeout`` with nothing handed over; with nothing in flight it returns False at once."""
+    ``timeout`` with nothing handed over; with nothing in flight, or a write handed over since
+    the owner's last ``flush`` (the owner, or another of its threads, is posting again), it
+    returns False at once."""
     from kvfsm.transport.nixl import NixlDataPlane
 
     block = 4096
@@ -441,6 +443,8 @@ def test_drive_completes_the_transfers_in_flight_in_the_owners_thread() -> None:
         a.write(b.name, "kv", [Segment(0, 0, block)], b"0", ("d", 0))
         time.sleep(0.05)  # the round the write's kick starts is over: the poller sleeps a minute
         assert not completions
+        assert a.drive(10.0) is False, "a write handed over since the last flush (none yet)"
+        a.flush()  # as Manager.wait does before it drives
         t0 = time.monotonic()
         assert a.drive(10.0) is True
         took = time.monotonic() - t0
@@ -451,6 +455,8 @@ def test_drive_completes_the_transfers_in_flight_in_the_owners_thread() -> None:
         assert a.drive(10.0) is False and time.monotonic() - t0 < 0.1, "nothing in flight: False at once"
         slow.latency_s = 30.0
         a.write(b.name, "kv", [Segment(block, block, block)], b"1", ("d", 1))
+        assert a.drive(10.0) is False, "a write handed over since the last flush"
+        a.flush()
         t0 = time.monotonic()
         assert a.drive(0.2) is True
         assert 0.15 < time.monotonic() - t0 < 2.0 and len(completions) == 1, "timeout: back with nothing"
