@@ -306,15 +306,12 @@ class _DataEndpoint:
     def flush(self) -> None:
         self.data.flush()
 
-    def drive(self, timeout: float) -> bool:
-        return bool(self.data.drive(timeout))
-
 
 class _NoFlushEndpoint(_DataEndpoint):
     """``nixl_path``'s endpoint without the ``flush`` hint (``Manager.wait`` then gives none):
     the baseline of ``tail_us``."""
 
-    flush = drive = None  # type: ignore[assignment]
+    flush = None  # type: ignore[assignment]
 
 
 def bench_nixl_path(

@@ -98,7 +98,6 @@ class RoomRuntime:
 # numpy's fixed costs outweigh the per-run ones (measured with bench/core.py's stub agent:
 # scattered 32-page chunks 80 µs each with numpy, 69 without; 64 pages 88 against 97).
 COALESCE_ARRAY_MIN = 64
-DRIVE_S = 0.01  # Manager.wait: the longest one drive() of the endpoint lasts before the rooms are checked again
 
 
 def coalesce(
@@ -350,10 +349,8 @@ class Manager:
             # the engine hands nothing over while it waits: writes held back to go together
             # go now, and their completions are looked for closely (see the endpoint's flush)
             flush()
-        drive = getattr(self.endpoint, "drive", None)
-        driving = drive is not None
-        while True:
-            with self._changed:
+        with self._changed:
+            while True:
                 self.tick()
                 codes = [self.machine.kvpoll(self._get(r).room) for r in rooms]
                 if all(c >= until or c == 0 for c in codes):
@@ -367,17 +364,7 @@ class Manager:
                 for nxt in (self._timers.next_deadline(), self._side_deadline()):
                     if nxt is not None:
                         waits.append(max(0.0, nxt - now))
-                pause = min(waits) if waits else None
-                if not driving:
-                    self._changed.wait(pause)
-                    driving = drive is not None  # (woken: something changed; drive again if in flight)
-                    continue
-            # Outside the lock, this idle thread progresses the transport itself while its
-            # transfers are in flight (the endpoint's drive): their completions are stepped here,
-            # with no wake-up of a transport thread and then of this one between a transfer's end
-            # and the room's Success. With nothing in flight it returns False: wait to be woken.
-            assert drive is not None
-            driving = drive(DRIVE_S if pause is None else min(pause, DRIVE_S))
+                self._changed.wait(min(waits) if waits else None)
 
     def abort(self, room: int, reason: str = "aborted by engine") -> None:
         from kvfsm.protocol.events import Abort

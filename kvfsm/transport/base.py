@@ -260,13 +260,6 @@ class DataPlane(Protocol):
     # together posts them now, and one that polls for completions polls closely until the
     # next write (no polling interval added to the last writes' latency).
 
-    # Optional: ``drive(timeout: float) -> bool``, the owner's offer of its idle thread while it
-    # waits for its writes (``Manager.wait``, after ``flush``): a data plane that must poll for
-    # completions checks its in-flight transfers in that thread for up to ``timeout`` seconds
-    # and hands what completes over to its handler there, returning True as soon as it did (or
-    # when ``timeout`` passed); False at once, doing nothing, if it has nothing to drive (the
-    # owner then blocks until it is woken). A data plane that delivers by itself omits it.
-
 
 def write_many(plane: Any, writes: Sequence[Write]) -> list[int | Exception]:
     """``plane.write_many(writes)`` if the data plane (or endpoint) has it, else one ``write`` at a
@@ -369,11 +362,6 @@ class SplitEndpoint:
         flush = getattr(self.data, "flush", None)
         if flush is not None:
             flush()
-
-    def drive(self, timeout: float) -> bool:
-        """Pass the offer on to a data plane that offers ``drive`` (False: nothing done)."""
-        drive = getattr(self.data, "drive", None)
-        return bool(drive(timeout)) if drive is not None else False
 
     def write_many(self, writes: Sequence[Write]) -> list[int | Exception]:
         return write_many(self.data, writes)

@@ -52,13 +52,9 @@ then collect notifications only with each full scan (a prefill rank's poller cal
 owner waits for its writes (``flush``, from ``Manager.wait``) the held writes are posted at once
 and, until the next write, the poller checks the in-flight transfers every ``tail_poll_s`` (an
 eighth of the wait since the last completion, up to ``busy_poll_s``): nobody else completes them
-then, and no engine thread needs the GIL. ``Manager.wait`` then also lends its idle thread
-(``drive``): it checks the in-flight transfers on the same schedule and steps their completions
-itself, so that a room's Success needs no wake-up of the poller and then of the waiter (in the
-stub harness the tail from the last hand-over to every room's Success fell from ~365 to ~200
-µs). While a post waits for the agent or is inside it, or an owner drives, the poller stands back
-(up to ``MAX_DEFER_S``), woken when the post or the drive ends: a timed wake-up costs tens of µs
-of CPU on a VM. One
+then, and no engine thread needs the GIL. While a
+post waits for the agent or is inside it, it stands back (up to ``MAX_DEFER_S``), woken when the
+post ends: a timed wake-up costs tens of µs of CPU on a VM. One
 lock guards every call into the agent (the agent's default sync mode takes none), taken per call.
 
 A transfer still in flight after ``xfer_timeout_s`` is cancelled and completed as failed, so no
@@ -388,7 +384,6 @@ class NixlDataPlane:
         self._wake = threading.Event()
         self._closed = False
         self._posting = 0  # posts waiting for or holding the agent (read by the poller without a lock)
-        self._driving = 0  # owners' threads progressing the agent themselves (drive): the poller stands back
         self._posting_lock = threading.Lock()
         # The guard of a posting caller's completion checks (it holds the agent's lock already):
         # a lock only that caller takes, so never contended, and cheaper than a nullcontext.
@@ -460,50 +455,6 @@ class NixlDataPlane:
         if jobs:
             self._post_locked(jobs)
         self._hurry_poller()
-
-    def drive(self, timeout: float) -> bool:
-        """The owner's offer (``Manager.wait``, after ``flush``): its thread, idle until its
-        writes complete, checks the in-flight transfers itself for up to ``timeout`` seconds
-        (every ``tail_poll_s`` at first, slower as the wait lasts, as the poller would) and
-        hands over what it finds done, in its own thread, returning True as soon as it did.
-        The poller stands back meanwhile (drive does its rounds). Between a transfer's end and
-        the owner seeing its room succeed there is then no wake-up of the poller and then of
-        the owner (each ~50-90 µs on a VM). False at once, nothing done, where there is
-        nothing for it to do: nothing of ours in flight; the posting thread at work (its posts
-        need the agent, and on host memory each copies inside its post: the owner then waits
-        to be woken); or a write handed over since the owner's last ``flush`` (another of its
-        threads posts again: the poller's busy pace and the posting caller complete the
-        transfers then)."""
-        if self._closed or not self._inflight or self._jobs or self._posting or self._handed != self._flushed:
-            return False
-        with self._posting_lock:
-            self._driving += 1
-        try:
-            start = now = time.monotonic()
-            end = start + timeout
-            full_scan = start + FULL_SCAN_S
-            while True:
-                items: list[Inbound] = []
-                full = now >= full_scan
-                if full:
-                    full_scan = now + FULL_SCAN_S
-                self._progress(items, full)
-                if items:
-                    self._hand_over(items)
-                    return True
-                if not self._inflight or self._jobs or self._posting or self._closed:
-                    return True
-                if self._handed != self._flushed:
-                    return False
-                now = time.monotonic()
-                if now >= end:
-                    return True
-                time.sleep(min(self.busy_poll_s, max(self.tail_poll_s, (now - start) / 8), end - now))
-                now = time.monotonic()
-        finally:
-            with self._posting_lock:
-                self._driving -= 1
-            self._kick_poller()
 
     def _hurry_poller(self) -> None:
         """End the poller's sleep between rounds now (or its next one, if it is not asleep)."""
@@ -991,12 +942,11 @@ class NixlDataPlane:
             if self._closed:
                 return
             now = time.monotonic()
-            if self._driving or (self._posting and now - last_round < MAX_DEFER_S):
+            if self._posting and now - last_round < MAX_DEFER_S:
                 # a post waits for the agent or is inside it (on host memory: copying): let it
                 # go first, woken when it ends rather than every busy_poll_s (a wake-up costs
-                # ~30 µs of CPU on a VM, which a long copy would pay every 200 µs); an owner's
-                # thread drives the agent (drive: it does this poller's rounds meanwhile)
-                self._wake.wait(MAX_DEFER_S if self._driving else MAX_DEFER_S - (now - last_round))
+                # ~30 µs of CPU on a VM, which a long copy would pay every 200 µs)
+                self._wake.wait(MAX_DEFER_S - (now - last_round))
                 self._wake.clear()
                 continue
             last_round = now

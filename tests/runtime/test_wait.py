@@ -126,37 +126,3 @@ def test_wait_tells_the_endpoint_to_flush_before_it_blocks() -> None:
         assert rc.wait(timeout=5) == KVPoll.Success  # the decode endpoint has no flush: unaffected
     finally:
         c.close()
-
-
-def test_wait_lets_the_endpoint_drive_its_transfers_and_blocks_once_it_has_none() -> None:
-    """``wait()`` offers its idle thread to the endpoint's optional ``drive`` (the NIXL data
-    plane checks its in-flight transfers in it), for at most ``DRIVE_S`` a call, while drive
-    says it had something to do; once drive returns False it blocks until a room changes, and
-    then offers its thread again."""
-    from kvfsm.runtime.manager import DRIVE_S
-
-    c = LoopbackCluster()
-    calls: list[float] = []
-
-    def drive(timeout: float) -> bool:
-        calls.append(timeout)
-        time.sleep(0.001)
-        return len(calls) <= 3  # three calls with transfers in flight, then none
-
-    try:
-        s = c.prefill[0].create_sender(3)
-        c.prefill[0].endpoint.drive = drive  # type: ignore[attr-defined]
-        t, out = _in_thread(lambda: c.prefill[0].wait([3], KVPoll.Success, timeout=30))
-        time.sleep(0.2)
-        assert t.is_alive() and len(calls) == 4, f"drove 3 times, then blocked: {len(calls)} calls"
-        assert all(0 < x <= DRIVE_S for x in calls)
-        rc = c.decode[0].create_receiver(3)
-        rc.init([0, 1], 0)
-        c.settle()
-        s.send([2, 3], is_last=True, aux_slot=0)
-        c.settle()
-        t.join(5)
-        assert not t.is_alive() and out == [[KVPoll.Success]]
-        assert len(calls) <= 8, "woken by each change, it offers its thread once more, then blocks"
-    finally:
-        c.close()

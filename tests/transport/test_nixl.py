@@ -413,59 +413,6 @@ def test_after_a_flush_the_poller_watches_the_transfers_closely_until_the_next_w
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
-def test_drive_completes_the_transfers_in_flight_in_the_owners_thread() -> None:
-    """``drive(timeout)``, the owner's offer while it waits: with a transfer in flight and the
-    poller asleep between busy rounds (a minute here), the calling thread checks the transfer
-    itself and hands its completion over, in that thread, soon after the transfer ends, and
-    returns True then; a transfer that outlasts ``timeout`` makes it return True after
-    ``timeout`` with nothing handed over; with nothing in flight, or a write handed over since
-    the owner's last ``flush`` (the owner, or another of its threads, is posting again), it
-    returns False at once."""
-    from kvfsm.transport.nixl import NixlDataPlane
-
-    block = 4096
-    a = NixlDataPlane("drive-a", caller_posts="always", busy_poll_s=60.0, tail_poll_s=0.001)
-    b = NixlDataPlane("drive-b")
-    src = np.random.default_rng(8).integers(0, 256, 4 * block, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    completions, done, on_a = _counting(1)
-    threads: list[threading.Thread] = []
-
-    def on(item: Inbound) -> None:
-        threads.append(threading.current_thread())
-        on_a(item)
-
-    try:
-        _connect(a, b, src, dst, block, on, lambda item: None)
-        slow = _SlowAgent(a.agent, 0.3)
-        a.agent = slow
-        time.sleep(0.05)
-        a.write(b.name, "kv", [Segment(0, 0, block)], b"0", ("d", 0))
-        time.sleep(0.05)  # the round the write's kick starts is over: the poller sleeps a minute
-        assert not completions
-        assert a.drive(10.0) is False, "a write handed over since the last flush (none yet)"
-        a.flush()  # as Manager.wait does before it drives
-        t0 = time.monotonic()
-        assert a.drive(10.0) is True
-        took = time.monotonic() - t0
-        assert [c.tag for c in completions] == [("d", 0)] and completions[0].ok
-        assert threads == [threading.current_thread()], "handed over in the driving thread"
-        assert 0.15 < took < 2.0, f"drive returned {took:.3f} s after it began, the transfer ends at ~0.25 s"
-        t0 = time.monotonic()
-        assert a.drive(10.0) is False and time.monotonic() - t0 < 0.1, "nothing in flight: False at once"
-        slow.latency_s = 30.0
-        a.write(b.name, "kv", [Segment(block, block, block)], b"1", ("d", 1))
-        assert a.drive(10.0) is False, "a write handed over since the last flush"
-        a.flush()
-        t0 = time.monotonic()
-        assert a.drive(0.2) is True
-        assert 0.15 < time.monotonic() - t0 < 2.0 and len(completions) == 1, "timeout: back with nothing"
-    finally:
-        a.close()
-        b.close()
-
-
-@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_close_wakes_a_poller_asleep_between_busy_rounds() -> None:
     """A transfer in flight puts the poller to sleep for ``busy_poll_s`` between rounds (a minute
     here); ``close()`` ends that sleep: the poller thread is gone when close returns, well before
