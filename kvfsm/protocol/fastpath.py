@@ -133,6 +133,34 @@ def chunk(room: PrefillRoom, ev: ChunkReady) -> ChunkPosts | None:
     return chunk_id, note, writes, cancelled, [f.aux_write(room, ev, w[0]) for w in writes] if last else ()
 
 
+def run_chunk(room: PrefillRoom, first: int, n: int) -> tuple[int, int, int, int] | None:
+    """Row P11 for a chunk that is not the last, of ``n`` >= 1 pages ``first, first + 1, ...``
+    (``first`` >= 0: the caller checked they are one ascending run of ints), where ``chunk``
+    would take it and post exactly one write of one segment: a room in Transferring.Sending with
+    its input timer gone and one decode rank, whose announced pages are one ascending run. The
+    room updated exactly as ``chunk`` updates it; returns (chunk id, decode rank, the first
+    destination page, the chunk's first index into the announcement), from which the caller
+    builds the one write and its notification (``functions.advance``'s, for ``n`` pages). None,
+    the room untouched, otherwise (``chunk`` or the generic step then takes the chunk)."""
+    if room.state != SENDING or room.last_seen or n < 1 or first < 0 or first + n > room.kv_pages:
+        return None
+    dests = room.dests
+    timers = room.timers
+    if len(dests) != 1 or INPUT in timers:
+        return None
+    ((dest, ann),) = dests.items()
+    start = room.cursor
+    if not ann.run or start + n > len(ann.pages):
+        return None  # not one segment, or P9 (a chunk that does not fit)
+    chunk_id = room.next_chunk
+    room.inflight.add((dest, chunk_id))
+    room.cursor = start + n
+    room.next_chunk = chunk_id + 1
+    timers.add(TIMER)
+    room.last_row = "P11"
+    return chunk_id, dest, ann.pages[start], start
+
+
 def completion(room: PrefillRoom, dest: int, chunk_id: int) -> bool:
     """Row P15 for WriteCompleted(dest, chunk_id) where the generic step takes it (a pending
     write, not the last of a draining room): the write forgotten and the transfer timer armed in

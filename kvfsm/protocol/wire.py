@@ -23,6 +23,7 @@ import json
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import partial
 from operator import attrgetter
 from typing import Any, ClassVar
 
@@ -237,6 +238,19 @@ class Codec:
             bools = tuple(3 + i for i, t in enumerate(types) if t == "bool")
             u64s = tuple(3 + i for i, t in enumerate(types) if t == "u64")
             self._bin_in[bid] = (MESSAGE_CLASSES[name], layout, bools, u64s)
+
+    def packer(self, name: str) -> Callable[..., bytes]:
+        """For message ``name`` (as spec/messages.toml names it), ``f(*values) == encode(cls(*values))``
+        (values in field order: the class's and the spec's are the same), without the message
+        object where it is a binary message (a chunk's notification is encoded once per chunk;
+        the runtime's leanest path packs its fields directly). Values the layout cannot hold
+        raise ``struct.error``, as ``encode``."""
+        cls = self._checks[name][0]
+        binary = self._bin_out.get(name)
+        if binary is not None:
+            layout, bid, _ = binary
+            return partial(layout.pack, BINARY_MAGIC, self.version, bid)
+        return lambda *values: self.encode(cls(*values))
 
     def encode(self, msg: Message) -> bytes:
         binary = self._bin_out.get(msg.TYPE)

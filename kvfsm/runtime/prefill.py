@@ -22,7 +22,7 @@ from kvfsm.protocol.events import (
 from kvfsm.protocol.pages import Pages
 from kvfsm.protocol.rooms import PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
-from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, as_index, as_pages, coalesce, log
+from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, _list_run, as_index, as_pages, coalesce, log
 from kvfsm.transport.base import Segment, SegmentArray, Write, write_many
 
 _LENGTH = attrgetter("length")  # of a Segment (map in C: one write has one segment, mostly)
@@ -46,6 +46,10 @@ class KVSender(RoomHandle):
         integer numpy array or tensor); the last chunk carries the aux slot. Chunks ready before
         decode announced its pages are held (scenario 2). Raises LocalProtocolError on misuse (a
         chunk after the last, pages outside the KV region, indices that are not integers)."""
+        if not is_last and aux_slot is None and type(pages) is list and len(pages) > 1:
+            run = _list_run(pages)  # one ascending run of ints: maybe the leanest path (_send_run)
+            if run is not None and self.manager._send_run(self.room, pages[0], len(pages)):
+                return
         slot = None if aux_slot is None else as_index(aux_slot, "aux_slot")
         self.manager._chunk(self.room, ChunkReady(as_pages(pages), bool(is_last), slot))
 
@@ -64,6 +68,7 @@ class PrefillManager(Manager):
         self._batch: list[Write] | None = None  # writes of a send_many(), handed over together
         self._batch_bytes = self._batch_segments = 0  # ... and their bytes and segments
         self._batch_aux: list[Write] = []  # ... its aux writes: handed over at its end, together
+        self._pack_note = self.codec.packer("chunk_written")  # a chunk's notification from its fields
 
     def create_sender(self, room: int) -> KVSender:
         """Create room ``room`` on this rank. Messages that arrived for it earlier are applied now."""
@@ -98,13 +103,30 @@ class PrefillManager(Manager):
                 self._batch, self._batch_bytes, self._batch_segments = [], 0, 0
             try:
                 for item in chunks:
-                    rid, event = self._chunk_item(item)
-                    self._chunk(rid, event)
+                    if not self._run_item(item):
+                        rid, event = self._chunk_item(item)
+                        self._chunk(rid, event)
             finally:
                 if outer is None:
                     batch, self._batch = self._batch, None
                     aux, self._batch_aux = self._batch_aux, []
                     self._hand_batch([*(batch or []), *aux])
+
+    def _run_item(self, item: Sequence[Any]) -> bool:
+        """A send_many() item taken by the leanest path (``_send_run``), as ``send()`` takes it:
+        not the last chunk, its pages a list that is one ascending run of ints, its room an int
+        or this manager's sender. False, nothing done, otherwise."""
+        k = len(item)
+        if not (k == 2 or (k == 3 and item[2] is False) or (k == 4 and item[2] is False and item[3] is None)):
+            return False
+        room, pages = item[0], item[1]
+        if type(room) is not int:
+            if not isinstance(room, KVSender) or room.manager is not self:
+                return False
+            room = room.room
+        if type(pages) is not list or len(pages) < 2 or _list_run(pages) is None:
+            return False
+        return self._send_run(room, pages[0], len(pages))
 
     def _chunk_item(self, item: Sequence[Any]) -> tuple[int, ChunkReady]:
         """One send_many() item as (room id, ChunkReady); LocalProtocolError if malformed."""
@@ -133,6 +155,63 @@ class PrefillManager(Manager):
                     self._chunk_posted(rt, event.pages, done, before)
                     return
             self._local(rid, event)
+
+    def _send_run(self, rid: int, first: int, n: int) -> bool:
+        """The leanest path of a chunk that is not the last and whose pages (a list) are one
+        ascending run of ints, from ``send()`` or ``send_many()``: row P11 as
+        ``fastpath.run_chunk`` applies it, and its one write of one segment posted as
+        ``_chunk_posted`` and ``_post_kv`` would post it (``_post_run``), without the chunk's
+        event, its page tuple, the notification's object or the segment list. False, nothing
+        done, where it does not apply (the fast rows off, events queued, or ``run_chunk``
+        refusing the chunk): the caller then takes the usual path."""
+        with self._lock:
+            rt = self._rooms.get(rid)
+            if rt is None or not self.fast_rows or self._draining or self._queue:
+                return False
+            got = fastpath.run_chunk(rt.room, first, n)
+            if got is None:
+                return False
+            chunk_id, dest, dst_first, start = got
+            now = self.clock()
+            self._timers.set(rid, fastpath.TIMER, now + self._transfer_s)
+            if rt.started is None:
+                rt.started = now
+            self._draining = self._fast_posting = True  # as _chunk_posted: completions meanwhile
+            try:
+                self._post_run(rt, (rid, dest, chunk_id), first, dst_first, n, start)
+            finally:
+                self._draining = self._fast_posting = False
+            if self._queue:
+                self._drain()
+            return True
+
+    def _post_run(self, rt: RoomRuntime, tag: WriteTag, first: int, dst: int, n: int, start: int) -> None:
+        """``_send_run``'s write, as ``_post_kv`` posts it: with no transfer workers and no
+        send_many() under way, handed straight to the endpoint's ``write_run`` if it has one
+        (what ``_hand`` and ``_write`` would do, inline), else through ``_hand``."""
+        try:
+            note = self._pack_note(tag[0], rt.room.rank, tag[2], False, start, n)
+        except Exception as exc:  # noqa: BLE001 - as _post_kv: the write fails, not the step
+            self._fail_write(tag, exc)
+            return
+        page = self.page_bytes
+        moved = n * page
+        write_run = None if self._batch is not None or self.pool.size else getattr(self.endpoint, "write_run", None)
+        if write_run is None:
+            self._hand(rt, tag, "kv", [Segment(first * page, dst * page, moved)], note)
+            return
+        rt.bytes += moved
+        rt.descriptors += 1
+        self.telemetry.count2("writes_posted", 1, "descriptors", 1)
+        peer = self._peer_names.get(tag[1])  # the route as it is now, when posted
+        try:
+            if peer is None:
+                raise LocalProtocolError(f"no route to decode rank {tag[1]}")
+            moved = write_run(peer, "kv", first * page, dst * page, moved, note, tag)
+        except BaseException as exc:  # noqa: BLE001 - as the inline worker pool: the write fails
+            self._fail_write(tag, exc)
+            return
+        self.telemetry.count("bytes_written", moved)
 
     def _chunk_posted(self, rt: RoomRuntime, pages: Pages, done: fastpath.ChunkPosts, before: str) -> None:
         """Carry out row P11's or P10's actions as ``_step`` would: the room's change of state

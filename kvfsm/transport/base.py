@@ -250,6 +250,11 @@ class DataPlane(Protocol):
     # result, in order; a data plane that posts in transfers may fold them into fewer.
     # ``write_many`` below is the fallback for data planes without it.
 
+    # Optional: ``write_run(peer, region, src, dst, length, notification, tag) -> int``, the
+    # same as ``write(peer, region, [Segment(src, dst, length)], notification, tag)``: the usual
+    # write (a chunk of adjacent pages to adjacent pages), which the runtime's leanest path hands
+    # over without building the segment list.
+
     # Optional: ``expect_traffic(on: bool)``, the owner's hint whether peers may write into (or
     # read from) our memory now: a decode rank with rooms in flight, say. A data plane that must
     # poll to notice a peer's writes (NIXL: and to let them complete) may poll rarely while it is
@@ -327,6 +332,10 @@ class SplitEndpoint:
         self.name = control.name
         self.control = control
         self.data = data
+        # the data plane's own write_run, if it has one (no call through this endpoint)
+        run = getattr(data, "write_run", None)
+        if run is not None:
+            self.write_run = run
 
     def set_handler(self, handler: Handler) -> None:
         self.data.set_handler(handler)

@@ -482,6 +482,12 @@ class LoopbackEndpoint:
     def write(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self.fabric._write(self, peer, region, segments, notification, tag)
 
+    def write_run(
+        self, peer: str, region: Region, src: int, dst: int, length: int, notification: bytes, tag: object
+    ) -> int:
+        """``write`` of one segment (``DataPlane``'s optional ``write_run``)."""
+        return self.fabric._write(self, peer, region, [Segment(src, dst, length)], notification, tag)
+
     def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self.fabric._read(self, peer, region, segments, notification, tag)
 

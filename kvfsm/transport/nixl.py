@@ -543,6 +543,17 @@ class NixlDataPlane:
     def write(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self._post(self._job("WRITE", peer, region, segments, notification, tag))
 
+    def write_run(
+        self, peer: str, region: Region, src: int, dst: int, length: int, notification: bytes, tag: object
+    ) -> int:
+        """``write`` of one segment (``DataPlane``'s optional ``write_run``): to a peer whose
+        route is known, within both regions, described without a segment list; anything else
+        goes through ``write`` (and its checks and errors)."""
+        job = self._run_job(peer, region, src, dst, length, notification, tag)
+        if job is None:
+            return self.write(peer, region, [Segment(src, dst, length)], notification, tag)
+        return self._post(job)
+
     def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self._post(self._job("READ", peer, region, segments, notification, tag))
 
@@ -624,13 +635,10 @@ class NixlDataPlane:
     def _job(self, op: str, peer: str, region: Region, segments: Sequence[Segment], note: bytes, tag: object) -> _Job:
         """Validate a write or read (raises TransportError before anything moves) and describe it."""
         if op == "WRITE" and len(segments) == 1:  # the usual write: one run, to a known peer
-            route = self._routes.get((peer, region))
-            if route is not None:
-                laddr, lsize, ldev, raddr, rsize, rdev, mems = route
-                s = segments[0]
-                n, src, dst = s.length, s.src, s.dst
-                if n > 0 and 0 <= src <= lsize - n and 0 <= dst <= rsize - n:
-                    return _Job(op, peer, note, tag, n, mems, ((laddr + src, n, ldev),), ((raddr + dst, n, rdev),))
+            s = segments[0]
+            job = self._run_job(peer, region, s.src, s.dst, s.length, note, tag)
+            if job is not None:
+                return job
         if region not in REGIONS:
             raise TransportError(f"unknown region {region!r}: 'kv' or 'aux'")
         if self._closed:
@@ -670,6 +678,17 @@ class NixlDataPlane:
                 lrows.append((local.addr + loff, s.length, local.device))
                 rrows.append((remote.addr + roff, s.length, remote.device))
         return job
+
+    def _run_job(self, peer: str, region: str, src: int, dst: int, n: int, note: bytes, tag: object) -> _Job | None:
+        """The usual write described (one run of ``n`` > 0 bytes, within both regions, to a peer
+        whose route is known), else None: ``_job`` checks and describes it in full."""
+        route = self._routes.get((peer, region))
+        if route is None:
+            return None
+        laddr, lsize, ldev, raddr, rsize, rdev, mems = route
+        if n > 0 and 0 <= src <= lsize - n and 0 <= dst <= rsize - n:
+            return _Job("WRITE", peer, note, tag, n, mems, ((laddr + src, n, ldev),), ((raddr + dst, n, rdev),))
+        return None
 
     def _post(self, job: _Job) -> int:
         """Post a validated write or read, or queue it for the posting thread; returns its bytes."""

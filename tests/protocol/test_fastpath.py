@@ -67,6 +67,32 @@ def check_chunk(room, ev: ChunkReady, now: float) -> bool:
     return True
 
 
+def check_run_chunk(room, ev: ChunkReady) -> bool:
+    """``run_chunk`` (the runtime's leanest path) against ``chunk`` for a chunk that is one run
+    of pages and not the last: where it applies, ``chunk`` applies too, with exactly its one
+    write of one segment, and both leave the room the same; where it refuses, its copy is
+    untouched and ``chunk`` does not take P11 from Sending with one such write either."""
+    pages, n = ev.pages, len(ev.pages)
+    if ev.is_last or ev.aux_slot is not None or not n or tuple(pages) != tuple(range(pages[0], pages[0] + n)):
+        return False
+    lane, full = copy.deepcopy(room), copy.deepcopy(room)
+    got = fastpath.run_chunk(lane, pages[0], n)
+    done = fastpath.chunk(full, ev)
+    if got is None:
+        assert snapshot(lane) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
+        if done is not None and room.state == fastpath.SENDING:
+            assert done[3] or len(done[2]) != 1 or not done[2][0][2], f"{ev}: run_chunk refused a plain P11"
+        return False
+    assert done is not None, f"{ev} in {room.state}: run_chunk applied, chunk did not"
+    chunk_id, note, writes, cancelled, aux = done
+    assert not cancelled and not aux and len(writes) == 1
+    dest, dst, one_run = writes[0]
+    assert one_run and got == (chunk_id, dest, dst[0], note.page_start)
+    assert (note.room, note.src, note.is_last, note.num_pages) == (room.room, room.rank, False, n)
+    assert snapshot(lane) == snapshot(full), f"{ev} in {room.state}: rooms differ"
+    return True
+
+
 def _check_fast(machine, room, ev, now: float, apply, expect) -> bool:
     """A fast row that leaves the caller only timers to set (P15, P14, D8): ``apply`` tries it on
     one copy, ``machine`` steps ``ev`` on another; ``expect(fast copy)`` gives the actions and the
@@ -157,6 +183,8 @@ def test_fast_rows_change_a_room_as_the_generic_step_does(data):
         trigger = data.draw(_TRIGGERS, label="trigger")
         event = _event(data, trigger, room)
         now += data.draw(st.floats(0.0, 50.0), label="dt")
+        if trigger == "chunk_ready" and check_run_chunk(room, event):
+            label("fast P11 as one run (run_chunk)")
         if trigger == "chunk_ready" and check_chunk(room, event, now):
             label(f"fast {'P10' if event.is_last else 'P11'} from {room.state}")
         if trigger == "write_completed" and check_completion(room, event, now):
@@ -175,6 +203,40 @@ def _sending_room(dests=(0,), pages_per_dest=8):
     M.step(room, ready([0, 1]), 2.0)
     assert room.state == fastpath.SENDING and fastpath.INPUT not in room.timers
     return room
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_run_chunk_changes_a_room_as_chunk_does(data):
+    """Rooms where the leanest path mostly applies (one decode rank, in Sending, chunks that are
+    runs), and now and then where it must not (pages announced out of order, several decode
+    ranks, a chunk that does not fit, its last chunk, a completion in between)."""
+    dests = data.draw(st.sampled_from([(0,)] * 6 + [(1,), (0, 2)]), label="dests")
+    n = data.draw(st.integers(2, KV_PAGES), label="announced")
+    room = new_room("prefill", required_dests=len(dests))
+    for d in dests:
+        first = data.draw(st.integers(0, KV_PAGES - n), label="first")
+        pages = tuple(range(first, first + n))
+        if data.draw(st.integers(0, 5), label="scrambled") == 0:
+            pages = pages[::-1]
+        M.step(room, announce(pages, dest=d, required=len(dests)), 1.0)
+    M.step(room, ready([0]), 2.0)
+    applied = 0
+    for _ in range(data.draw(st.integers(1, 12), label="chunks")):
+        left = len(room.dests[dests[0]].pages) - room.cursor if room.state == fastpath.SENDING else 1
+        k = data.draw(st.integers(1, max(1, left + 1)), label="pages")
+        first = data.draw(st.integers(-1, KV_PAGES - k + 1), label="from")
+        pages = tuple(range(first, first + k))
+        last = data.draw(st.integers(0, 9), label="last") == 0
+        ev = ready(pages, last=last)
+        applied += check_run_chunk(room, ev)
+        try:
+            M.step(room, ev, 3.0)
+        except LocalProtocolError:
+            pass
+        if room.inflight and data.draw(st.booleans(), label="complete"):
+            M.step(room, WriteCompleted(*sorted(room.inflight)[0]), 4.0)
+    label(f"run_chunk applied {min(applied, 3)}+ times")
 
 
 @pytest.mark.parametrize("dests", [(0,), (2, 0, 1)])

@@ -19,8 +19,9 @@ import pytest
 from kvfsm.check.mutants import mutated_protocol
 from kvfsm.protocol import KVPoll, LocalProtocolError, fastpath
 from kvfsm.protocol.events import Abort
+from kvfsm.protocol.wire import ChunkWritten
 from kvfsm.testing import LoopbackCluster
-from kvfsm.transport.base import Inbound
+from kvfsm.transport.base import Inbound, TransportError
 from kvfsm.transport.loopback import Faults
 
 ROOMS = 8
@@ -50,7 +51,18 @@ def _play(seed: int, fast: bool, taken: dict[str, int]) -> dict[str, Any]:
             flush()
         return moved
 
+    write_run = p.endpoint.write_run
+
+    def spy_run(peer: str, region: str, src: int, dst: int, length: int, note: bytes, tag: object) -> int:
+        posted.append((peer, region, [(src, dst, length)], note, tag))  # as spy() records it
+        moved = write_run(peer, region, src, dst, length, note, tag)
+        if rng.random() < 0.3:
+            c.fabric.pump(rng.randint(1, 3))
+            flush()
+        return moved
+
     p.endpoint.write = spy  # type: ignore[method-assign]
+    p.endpoint.write_run = spy_run  # type: ignore[method-assign]
     rng = random.Random(seed)
 
     # Completions handed over as NIXL's poller does: the writes one transfer completed, together
@@ -134,8 +146,13 @@ def _play(seed: int, fast: bool, taken: dict[str, int]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_fast_rows_change_nothing_the_runtime_does(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    taken = {"chunk": 0, "completion": 0, "arrival": 0, "P10": 0, "P14": 0}
-    chunk, completion, arrival = fastpath.chunk, fastpath.completion, fastpath.arrival
+    taken = {"chunk": 0, "run": 0, "completion": 0, "arrival": 0, "P10": 0, "P14": 0}
+    chunk, run_chunk, completion, arrival = fastpath.chunk, fastpath.run_chunk, fastpath.completion, fastpath.arrival
+
+    def counted_run(*args: Any) -> Any:
+        got = run_chunk(*args)
+        taken["run"] += got is not None
+        return got
 
     def counted_chunk(*args: Any) -> Any:
         got = chunk(*args)
@@ -155,12 +172,14 @@ def test_the_fast_rows_change_nothing_the_runtime_does(seed: int, monkeypatch: p
         return got
 
     monkeypatch.setattr(fastpath, "chunk", counted_chunk)
+    monkeypatch.setattr(fastpath, "run_chunk", counted_run)
     monkeypatch.setattr(fastpath, "completion", counted_completion)
     monkeypatch.setattr(fastpath, "arrival", counted_arrival)
     slow = _play(seed, False, taken)
     assert not any(taken.values())
     fast = _play(seed, True, taken)
     assert taken["chunk"] > 10 and taken["completion"] > 10 and taken["arrival"] > 10, taken
+    assert taken["run"], taken  # send()'s leanest path (PrefillManager._send_run)
     assert taken["P10"] and taken["P14"], taken  # rooms' last chunks and last writes too
     for key in slow:
         assert fast[key] == slow[key], key
@@ -208,5 +227,49 @@ def test_a_completion_behind_a_queued_event_waits_its_turn() -> None:
             p._on_completion((1, 0, 1), True, "")
             assert (0, 1) not in room.inflight and room.last_row == "P15"  # nothing before it: fast
             p._draining = p._fast_posting = False
+    finally:
+        c.close()
+
+
+def test_a_chunk_of_adjacent_pages_goes_as_one_write_run_and_a_refused_one_fails_its_room_only() -> None:
+    """``send()`` of a list of adjacent pages in Sending takes the leanest path: one
+    ``write_run`` of the chunk's bytes, the notification byte for byte what the generic path
+    encodes, the room's counts as ``_hand`` keeps them. A ``write_run`` that raises fails that
+    room's write (and the room), as a refused ``write`` does; the other room goes on."""
+    c = LoopbackCluster(pages=64, page_bytes=256)
+    try:
+        p, d = c.prefill[0], c.decode[0]
+        calls: list[tuple[Any, ...]] = []
+        write_run = p.endpoint.write_run
+        refuse = {2}
+
+        def spy(peer: str, region: str, src: int, dst: int, length: int, note: bytes, tag: Any) -> int:
+            calls.append((peer, region, src, dst, length, note, tag))
+            if tag[0] in refuse:
+                raise TransportError("simulated: peer gone")
+            return write_run(peer, region, src, dst, length, note, tag)  # type: ignore[no-any-return]
+
+        p.endpoint.write_run = spy  # type: ignore[method-assign]
+        senders = {}
+        for rid, base in ((1, 0), (2, 16)):
+            d.create_receiver(rid).init(list(range(base + 32, base + 40)), 0)
+            senders[rid] = p.create_sender(rid)
+        c.settle()
+        for rid, base in ((1, 0), (2, 16)):
+            senders[rid].send([base, base + 1])  # the first chunk: WaitingForInput, fastpath.chunk
+        assert calls == []
+        senders[1].send([2, 3, 4])
+        note = p.codec.encode(ChunkWritten(1, 0, 1, False, 2, 3))
+        assert calls == [("decode/0", "kv", 2 * 256, 34 * 256, 3 * 256, note, (1, 0, 1))]
+        assert p._rooms[1].room.last_row == "P11" and p._rooms[1].bytes == 5 * 256
+        senders[2].send([18, 19])
+        assert calls[-1][6] == (2, 0, 1)
+        c.settle()
+        assert senders[2].poll() == KVPoll.Failed and "simulated: peer gone" in p.failure_exception(2).reason
+        assert p.stats()["counters"]["write_errors"] == 1
+        senders[1].send([5, 6, 7], is_last=True, aux_slot=0)
+        c.settle()
+        assert senders[1].poll() == KVPoll.Success
+        assert c.kv_equal(0, list(range(8)), 0, list(range(32, 40)))
     finally:
         c.close()

@@ -227,6 +227,7 @@ class KVMachine(RuleBasedStateMachine):
         self.kv0, self.aux0 = bytes(c.pkv[0]), bytes(c.paux[0])  # what every source holds for its rooms
         for m in c.prefill:
             m.endpoint.write = functools.partial(self._spy_post, m.rank, m.endpoint.write)  # type: ignore[method-assign]
+            m.endpoint.write_run = functools.partial(self._spy_post, m.rank, m.endpoint.write_run)  # type: ignore[method-assign]
         c.fabric._land = functools.partial(self._spy_land, c.fabric._land)  # type: ignore[method-assign]
         self._track()
 

@@ -143,13 +143,9 @@ def _random_segments(rng: random.Random, src_len: int, dst_len: int, n: int, blo
     return segs
 
 
-@pytest.mark.parametrize("region", ["kv", "aux"])
-@pytest.mark.parametrize("aligned", [True, False], ids=["block-aligned", "byte-ranges"])
-def test_write_lands_exactly_and_notifies_after_data(data_net: DataNet, region: str, aligned: bool) -> None:
-    rng = random.Random(7)
-    block = (KV_BLOCK if region == "kv" else AUX_BLOCK) if aligned else 1
-    src, dst = data_net.region("a", region), data_net.region("b", region)
-    expected = dst.copy()
+def _watch_notifications(data_net: DataNet, dst: np.ndarray) -> tuple[dict[bytes, bool], dict[bytes, np.ndarray]]:
+    """(seen, plans): for each notification ``b`` receives, whether ``dst`` held exactly
+    ``plans[note]`` (what the test expects once that write landed) when it arrived."""
     seen_at_notify: dict[bytes, bool] = {}
     plans: dict[bytes, np.ndarray] = {}
 
@@ -158,6 +154,17 @@ def test_write_lands_exactly_and_notifies_after_data(data_net: DataNet, region: 
             seen_at_notify[item.data] = bool((dst == plans[item.data]).all())
 
     data_net.rec.hooks.append(check)
+    return seen_at_notify, plans
+
+
+@pytest.mark.parametrize("region", ["kv", "aux"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["block-aligned", "byte-ranges"])
+def test_write_lands_exactly_and_notifies_after_data(data_net: DataNet, region: str, aligned: bool) -> None:
+    rng = random.Random(7)
+    block = (KV_BLOCK if region == "kv" else AUX_BLOCK) if aligned else 1
+    src, dst = data_net.region("a", region), data_net.region("b", region)
+    expected = dst.copy()
+    seen_at_notify, plans = _watch_notifications(data_net, dst)
     for i in range(5):
         segs = _random_segments(rng, len(src), len(dst), rng.randint(1, 4), block)
         # segments of one write may overlap at the destination; later ones win, as in the model
@@ -250,6 +257,46 @@ def test_out_of_bounds_is_refused_before_any_byte_moves(
     assert (data_net.kv["b"] == before).all()
     assert data_net.rec.got("b", "notification") == []
     assert data_net.rec.got("a", "completion") == []
+
+
+def test_write_run_is_a_write_of_one_segment(data_net: DataNet) -> None:
+    """``write_run`` (the runtime's leanest path) lands, notifies after its data and completes
+    exactly as ``write`` of the one segment, and refuses what ``write`` refuses, before a byte
+    moves: out of either region, a negative offset or length, an unknown or removed peer."""
+    plane, src, dst = data_net.planes["a"], data_net.kv["a"], data_net.kv["b"]
+    rng = random.Random(3)
+    expected = dst.copy()
+    seen_at_notify, plans = _watch_notifications(data_net, dst)
+    runs = [(0, 0, KV_BLOCK), (KV_BYTES - 3 * KV_BLOCK, 5 * KV_BLOCK, 3 * KV_BLOCK), (17, KV_BYTES - 40, 40)]
+    runs += [(g.src, g.dst, g.length) for g in _random_segments(rng, KV_BYTES, KV_BYTES, 3)]
+    for i, (s, d, n) in enumerate(runs):
+        expected = _apply(expected, src, [Segment(s, d, n)])
+        note = f"run{i}".encode()
+        plans[note] = expected.copy()
+        assert plane.write_run("b", "kv", s, d, n, note, ("run", i)) == n
+        data_net.wait(lambda i=i: len(data_net.rec.got("a", "completion")) == i + 1)
+        data_net.wait(lambda note=note: note in seen_at_notify)
+    assert (dst == expected).all()
+    assert all(seen_at_notify.values()), "a notification arrived before its data"
+    assert [c.tag for c in data_net.rec.got("a", "completion")] == [("run", i) for i in range(len(runs))]
+    bad = [(0, KV_BYTES - 10, 11), (KV_BYTES, 0, 1), (-1, 0, 4), (0, -1, 4), (0, 0, -4)]
+    for s, d, n in bad:
+        with pytest.raises(TransportError, match="outside registered") as err:
+            plane.write_run("b", "kv", s, d, n, b"x", "t")
+        assert str(Segment(s, d, n)) in str(err.value), "the error names the bad segment"
+    with pytest.raises(TransportError):
+        plane.write_run("nobody", "kv", 0, 0, 8, b"x", "t")
+    if data_net.kind == "loopback":
+        data_net.fabric.crash("c")  # type: ignore[union-attr]
+    else:
+        plane.remove_peer("c")
+    with pytest.raises(TransportError):
+        plane.write_run("c", "kv", 0, 0, 8, b"x", "t")
+    time.sleep(0.02)
+    data_net.settle()
+    assert (dst == expected).all()
+    assert len(data_net.rec.got("a", "completion")) == len(runs)
+    assert len(data_net.rec.got("b", "notification")) == len(runs)
 
 
 def test_unknown_or_removed_peer_is_refused(data_net: DataNet) -> None:
