@@ -134,9 +134,9 @@ def chunk(room: PrefillRoom, ev: ChunkReady) -> ChunkPosts | None:
 
 
 def run_chunk(room: PrefillRoom, first: int, n: int) -> tuple[int, int, int, int] | None:
-    """Row P11 for a chunk that is not the last, of ``n`` >= 1 pages ``first, first + 1, ...``
-    (``first`` >= 0: the caller checked they are one ascending run of ints), where ``chunk``
-    would take it and post exactly one write of one segment: a room in Transferring.Sending with
+    """Row P11 for a chunk that is not the last, of the ``n`` pages ``first, first + 1, ...``
+    (the caller knows they are one ascending run of ints: ``chunk`` is given them as such),
+    where ``chunk`` would take it and post exactly one write of one segment: a room in Transferring.Sending with
     its input timer gone and one decode rank, whose announced pages are one ascending run. The
     room updated exactly as ``chunk`` updates it; returns (chunk id, decode rank, the first
     destination page, the chunk's first index into the announcement), from which the caller
