@@ -563,10 +563,11 @@ class NixlDataPlane:
         others go on); the rest are queued for the posting thread in one go, and those the caller
         posts are held as ``write`` holds them (a transfer in flight, each write smaller than
         ``hold_below``, the held writes below ``flush_jobs`` and ``flush_bytes``) or else posted
-        now, folded, in one turn on the agent. Only while a post is under way (the posting thread
-        copying host memory, say, which takes as long as the copy) does the caller hold them
-        rather than wait for the agent, as ``write`` does (see ``_post_now``): they are posted
-        when that post ends."""
+        now, folded, in one turn on the agent. A caller that finds the agent busy holds writes
+        below ``hold_below`` rather than wait, as ``write`` does (see ``_post_now``), up to
+        ``HOLD_LIMIT`` x ``flush_jobs``; a batch with a larger write it holds only while a post is
+        under way (the posting thread copying host memory, say, which takes as long as the copy):
+        they are posted when that post ends."""
         self._handed += 1
         out: list[int | Exception] = []
         mine: list[_Job] = []
@@ -592,13 +593,16 @@ class NixlDataPlane:
                 self._held_bytes += sum(j.total for j in mine)
                 if self._nagle_holds(len(self._held), largest):
                     return out  # held as write() holds them: the poller's round posts them
-                # Hold them only while a post is under way (on host memory it lasts the whole
-                # copy); a poller's status check ends soon, and until the waiter takes the lock the
-                # poller, back from NIXL, waits for the GIL with the agent's lock in hand: holding
-                # then would leave the batch unposted until the engine's hand-over ends (measured on
-                # the H200 pair, 64 MiB chunks: ~2 ms of idle link per repetition, 0.75 of raw NIXL
-                # against 0.84-0.99 waiting).
-                wait = not self._posting or len(self._held) >= HOLD_LIMIT * self.flush_jobs
+                # The agent busy, writes below hold_below stay held as write() holds them (the
+                # poller's round posts them: on the H200 pair, send_many() of 1 MiB chunks, 0.98-1.53
+                # of raw NIXL against 0.66-1.17 waiting, in five pairs). A batch with a larger write
+                # is held only while a post is under way (on host memory it lasts the whole copy):
+                # a poller's status check ends soon, and until the waiter takes the lock the poller,
+                # back from NIXL, waits for the GIL with the agent's lock in hand, so holding would
+                # leave it unposted until the engine's hand-over ends (64 MiB chunks: ~2 ms of idle
+                # link per repetition, 0.75 of raw NIXL against 0.84-0.99 waiting).
+                big = largest >= self.hold_below and not self._posting
+                wait = big or len(self._held) >= HOLD_LIMIT * self.flush_jobs
                 if not self._lock.acquire(blocking=wait):
                     return out
                 jobs = self._take_held()

@@ -546,6 +546,58 @@ def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_f
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_write_many_holds_small_writes_while_the_agent_is_busy_and_waits_with_a_large_one() -> None:
+    """The agent busy with a status check (no post under way), a ``write_many`` batch past the
+    Nagle limit (here ``flush_bytes``) whose writes are all below ``hold_below`` is held, as
+    ``write`` holds such writes, until ``HOLD_LIMIT`` x ``flush_jobs`` writes are held; a batch
+    with a write of ``hold_below`` or more waits for the agent (holding it would leave the link
+    idle). Once the agent is free every write is posted and completes once."""
+    from kvfsm.transport.nixl import HOLD_LIMIT, NixlDataPlane
+
+    block, flush = 4096, 4
+    limit = HOLD_LIMIT * flush
+    a = NixlDataPlane("smallmany-a", caller_posts="always", flush_jobs=flush, flush_bytes=block, hold_below=4 * block)
+    b = NixlDataPlane("smallmany-b")
+    total = limit + 4
+    src = np.random.default_rng(9).integers(0, 256, total * block, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    completions, done, on_a = _counting(limit + 1)
+
+    def batch(lo: int, hi: int, size: int = block) -> list[Any]:
+        return [("smallmany-b", "kv", [Segment(i * block, i * block, size)], str(i).encode(), ("w", i))
+                for i in range(lo, hi)]  # fmt: skip
+
+    def runs(fn: Any) -> bool:
+        """Does ``fn`` return while the agent's lock is taken (as by a poller's status check)?"""
+        t = threading.Thread(target=fn)
+        with a._lock:
+            t.start()
+            t.join(0.2)
+            returned = not t.is_alive()
+        t.join(5)
+        assert not t.is_alive(), "the caller still waits for a free agent"
+        return returned
+
+    try:
+        _connect(a, b, src, dst, block, on_a, lambda item: None)
+        vars(a).update({"_progress": lambda *args: None, "_flush_held": lambda: None})  # the poller stays out
+        time.sleep(0.05)
+        assert runs(lambda: a.write_many(batch(0, limit - 1))), "small writes past flush_bytes: held"
+        assert len(a._held) == limit - 1
+        assert not runs(lambda: a.write_many(batch(limit - 1, limit))), "at HOLD_LIMIT x flush_jobs: it waits"
+        assert not a._held
+        assert not runs(lambda: a.write_many(batch(limit, limit + 1, 4 * block))), "a large write waits"
+        for name in ("_progress", "_flush_held"):
+            delattr(a, name)
+        assert done.wait(20)
+        assert sorted(c.tag for c in completions) == [("w", i) for i in range(limit + 1)]
+        assert all(c.ok for c in completions) and (dst == src).all()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_a_plane_told_to_expect_no_traffic_polls_rarely_until_told_otherwise() -> None:
     """``expect_traffic(False)``: with nothing of its own in flight the poller waits up to
     ``quiet_poll_s`` (here a minute), so a peer's write into it is not noticed (its notification
