@@ -495,9 +495,9 @@ def test_a_posting_caller_does_not_wait_for_the_agent_but_holds_its_writes_up_to
 def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_for_the_agent() -> None:
     """While a post is under way (on host memory the posting thread copies for as long as the copy
     takes), a caller's ``write_many`` holds its caller-posted writes rather than waiting for the
-    agent, as ``write`` does; a batch that brings the held writes to HOLD_LIMIT x flush_jobs waits.
-    The agent busy with anything else (the poller's status check), it waits. Once the agent is free
-    every held write is posted and completes once."""
+    agent, as ``write`` does; a batch that brings the held writes to HOLD_LIMIT x flush_jobs waits,
+    whatever keeps the agent busy (here the poller's status check, with no post under way). Once
+    the agent is free every held write is posted and completes once."""
     from kvfsm.transport.nixl import HOLD_LIMIT, NixlDataPlane
 
     block, flush = 4096, 2
@@ -535,7 +535,7 @@ def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_f
         other.join(5)
         for name in pause:
             delattr(a, name)  # the class's methods again: the poller completes what is in flight
-        assert waited_for_check and not other.is_alive(), "with no post under way write_many waits"
+        assert waited_for_check and not other.is_alive(), "at the limit write_many waits for a status check too"
         assert [r for batch_result in results for r in batch_result] == [block] * (n + flush)
         assert done.wait(20)
         assert sorted(c.tag for c in completions) == [("w", i) for i in range(n + flush)]
