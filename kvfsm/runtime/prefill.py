@@ -46,10 +46,8 @@ class KVSender(RoomHandle):
         integer numpy array or tensor); the last chunk carries the aux slot. Chunks ready before
         decode announced its pages are held (scenario 2). Raises LocalProtocolError on misuse (a
         chunk after the last, pages outside the KV region, indices that are not integers)."""
-        if not is_last and aux_slot is None and type(pages) is list and len(pages) > 1:
-            run = _list_run(pages)  # one ascending run of ints: maybe the leanest path (_send_run)
-            if run is not None and self.manager._send_run(self.room, pages[0], len(pages)):
-                return
+        if not is_last and aux_slot is None and self.manager._send_run(self.room, pages):
+            return
         slot = None if aux_slot is None else as_index(aux_slot, "aux_slot")
         self.manager._chunk(self.room, ChunkReady(as_pages(pages), bool(is_last), slot))
 
@@ -124,9 +122,7 @@ class PrefillManager(Manager):
             if not isinstance(room, KVSender) or room.manager is not self:
                 return False
             room = room.room
-        if type(pages) is not list or len(pages) < 2 or _list_run(pages) is None:
-            return False
-        return self._send_run(room, pages[0], len(pages))
+        return self._send_run(room, pages)
 
     def _chunk_item(self, item: Sequence[Any]) -> tuple[int, ChunkReady]:
         """One send_many() item as (room id, ChunkReady); LocalProtocolError if malformed."""
@@ -156,14 +152,17 @@ class PrefillManager(Manager):
                     return
             self._local(rid, event)
 
-    def _send_run(self, rid: int, first: int, n: int) -> bool:
+    def _send_run(self, rid: int, pages: Any) -> bool:
         """The leanest path of a chunk that is not the last and whose pages (a list) are one
         ascending run of ints, from ``send()`` or ``send_many()``: row P11 as
         ``fastpath.run_chunk`` applies it, and its one write of one segment posted as
         ``_chunk_posted`` and ``_post_kv`` would post it (``_post_run``), without the chunk's
         event, its page tuple, the notification's object or the segment list. False, nothing
-        done, where it does not apply (the fast rows off, events queued, or ``run_chunk``
-        refusing the chunk): the caller then takes the usual path."""
+        done, where it does not apply (pages in any other form, the fast rows off, events
+        queued, or ``run_chunk`` refusing the chunk): the caller then takes the usual path."""
+        if type(pages) is not list or len(pages) < 2 or _list_run(pages) is None:
+            return False  # (one ascending run of ints, checked in C)
+        first, n = pages[0], len(pages)
         with self._lock:
             rt = self._rooms.get(rid)
             if rt is None or not self.fast_rows or self._draining or self._queue:
