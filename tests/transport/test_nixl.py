@@ -755,3 +755,110 @@ def test_write_many_posts_a_batch_together_and_refuses_only_its_bad_writes(calle
     finally:
         a.close()
         b.close()
+
+
+class _GatedAgent:
+    """An agent whose posting thread's first transfer waits for ``gate`` before it copies (a long
+    host copy, which UCX makes inside the post, for as long as the test likes); every post
+    records the thread that made it."""
+
+    def __init__(self, agent: Any, poster: str) -> None:
+        self._agent, self._poster = agent, poster
+        self.gate, self.inside = threading.Event(), threading.Event()
+        self.posted_by: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def transfer(self, handle: Any) -> Any:
+        me = threading.current_thread().name
+        if me == self._poster and not self.inside.is_set():
+            self.inside.set()
+            assert self.gate.wait(20), "the test never opened the gate"
+        self.posted_by.append(me)
+        return self._agent.transfer(handle)
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_flush_during_a_host_copy_returns_and_the_posting_thread_posts_the_held_writes_after_it() -> None:
+    """While the posting thread copies host memory (inside its post, the agent's lock taken), a
+    small write the caller would post is held, and ``flush()`` (the owner about to wait) returns
+    at once rather than wait out the copy for the agent; the posting thread posts the held write
+    as soon as its copy ends, before anyone else takes the agent. Both writes land, notify and
+    complete once."""
+    from kvfsm.transport.nixl import SMALL_HOST_BYTES, NixlDataPlane
+
+    block = 4096
+    big, small = 64 * block, SMALL_HOST_BYTES  # auto: the posting thread copies one, the caller posts the other
+    a, b = NixlDataPlane("copyflush-a"), NixlDataPlane("copyflush-b")
+    src = np.random.default_rng(11).integers(0, 256, big + small, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    completions, done, on_a = _counting(2)
+    notes: list[bytes] = []
+    try:
+        _connect(a, b, src, dst, block, on_a, lambda item: notes.append(item.data))
+        gated = _GatedAgent(a.agent, a._poster.name)
+        a.agent = gated
+        a.write(b.name, "kv", [Segment(0, 0, big)], b"big", ("c", 0))
+        assert gated.inside.wait(10), "the large host write should go to the posting thread"
+        a.write(b.name, "kv", [Segment(big, big, small)], b"small", ("c", 1))
+        assert len(a._held) == 1, "with the agent busy copying, the small write is held"
+        flusher = threading.Thread(target=a.flush)
+        flusher.start()
+        flusher.join(1.0)
+        returned = not flusher.is_alive()
+        gated.gate.set()
+        flusher.join(10)
+        assert returned, "flush() waited for the copy to end"
+        assert done.wait(20), "the writes did not complete"
+        assert gated.posted_by == [a._poster.name] * 2, "the posting thread posts the held write after its copy"
+        assert sorted(c.tag for c in completions) == [("c", 0), ("c", 1)] and all(c.ok for c in completions)
+        assert _landed(dst, src)
+        deadline = time.monotonic() + 10
+        while len(notes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert sorted(notes) == [b"big", b"small"]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+@pytest.mark.parametrize("sched", ["batch", "normal"])
+def test_the_poller_takes_sched_batch_by_default_and_no_other_thread_changes(sched: str) -> None:
+    """The poller runs under SCHED_BATCH (it does not preempt, at its timed wake-ups, a thread
+    copying on its CPU) unless told ``poller_sched="normal"``; the posting thread and the
+    caller's thread keep the policy they had. An unknown policy is refused."""
+    import os
+
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    if not hasattr(os, "SCHED_BATCH"):
+        pytest.skip("no SCHED_BATCH on this system")
+    probe: list[BaseException] = []
+
+    def try_batch() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError as exc:
+            probe.append(exc)
+
+    t = threading.Thread(target=try_batch)
+    t.start()
+    t.join()
+    if probe:
+        pytest.skip(f"this sandbox refuses SCHED_BATCH: {probe[0]!r}")
+    with pytest.raises(ValueError, match="poller_sched"):
+        NixlDataPlane("sched-bad", poller_sched="idle")
+    mine = os.sched_getscheduler(0)
+    a = NixlDataPlane(f"sched-{sched}", poller_sched=sched)
+    try:
+        want = os.SCHED_BATCH if sched == "batch" else mine
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(a._poller.native_id) != want and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert os.sched_getscheduler(a._poller.native_id) == want
+        assert os.sched_getscheduler(a._poster.native_id) == mine
+        assert os.sched_getscheduler(0) == mine
+    finally:
+        a.close()
