@@ -57,8 +57,8 @@ post waits for the agent or is inside it, it stands back (up to ``MAX_DEFER_S``)
 post ends: a timed wake-up costs tens of µs of CPU on a VM. The posting thread, back from a host
 copy, posts what callers held back meanwhile before it lets go of the agent, and ``flush`` leaves
 those writes to it instead of waiting out the copy. The poller runs under Linux's SCHED_BATCH
-(``poller_sched``): its timed wake-ups take a free CPU or wait for the running thread's slice,
-rather than preempt a copy (see ``_schedule_poller``). One
+(``poller_sched``) when KV is in host memory: its timed wake-ups take a free CPU or wait for the
+running thread's slice, rather than preempt a copy (see ``_schedule_poller``). One
 lock guards every call into the agent (the agent's default sync mode takes none), taken per call.
 
 A transfer still in flight after ``xfer_timeout_s`` is cancelled and completed as failed, so no
@@ -115,7 +115,7 @@ SCAN_AHEAD = 4  # in-flight transfers still in progress after which a round stop
 FULL_SCAN_S = 0.01  # every in-flight transfer is checked at least this often
 MAX_DEFER_S = 0.002  # the longest the poller stands back for posts before it takes its turn
 CALLER_POSTS = ("auto", "always", "never")
-POLLER_SCHED = ("batch", "normal")  # the poller thread's Linux scheduling policy (see _schedule_poller)
+POLLER_SCHED = ("auto", "batch", "normal")  # the poller thread's Linux scheduling policy (see _schedule_poller)
 PREPPED_MIN_RUNS = 16  # runs in a write from which block indices into the prepared lists may pay (use_prepped)
 SMALL_HOST_BYTES = 4096  # auto: host-to-host writes up to this size are posted by the caller too
 FLUSH_JOBS = 64  # writes the caller holds back, at most, while a transfer is in flight (see _post_now)
@@ -349,7 +349,7 @@ class NixlDataPlane:
         flush_jobs: int = FLUSH_JOBS,
         flush_bytes: int = FLUSH_BYTES,
         hold_below: int = HOLD_BELOW_BYTES,
-        poller_sched: str = "batch",
+        poller_sched: str = "auto",
     ) -> None:
         if caller_posts not in CALLER_POSTS:
             raise ValueError(f"caller_posts must be one of {CALLER_POSTS}, not {caller_posts!r}")
@@ -499,6 +499,9 @@ class NixlDataPlane:
             self._local = regions
             for p in self._peers.values():
                 self._add_routes(p)
+        kv = regions.get("kv")
+        if self.poller_sched == "auto" and kv is not None and kv.nbytes and kv.mem == "DRAM":
+            self._schedule_poller(self._poller.native_id)  # KV in host memory: CPUs copy it
 
     def descriptor(self) -> bytes:
         with self._lock:
@@ -984,7 +987,8 @@ class NixlDataPlane:
     # ------------------------------------------------------------------ progress
 
     def _poll_loop(self) -> None:
-        self._schedule_poller()
+        if self.poller_sched == "batch":
+            self._schedule_poller(0)
         idle_since = last_round = time.monotonic()
         full_scan = 0.0
         tail_since: float | None = None  # the owner waits (flush): since the last completion seen
@@ -1045,22 +1049,28 @@ class NixlDataPlane:
             if pause > 0:
                 self._hurry.acquire(True, pause)  # (taken by a flush's release or not: locked again)
 
-    def _schedule_poller(self) -> None:
-        """``poller_sched="batch"`` (the default): the poller runs under Linux's SCHED_BATCH, as
-        the kernel's documentation puts it, "mildly disfavored in scheduling decisions" at wake-up:
-        it does not preempt the thread running where it wakes, but takes a CPU that is free or
-        waits for the running thread's slice to end. Its timed wake-ups (every ``idle_poll_s``
-        on a decode rank expecting writes) otherwise preempted whatever ran there, on a busy host
-        the posting thread inside a long copy: 64 MiB copies here took up to 17 ms instead of 12,
-        each interrupted ~25 times (this 2-vCPU machine, three pairs of runs: worst kvfsm /
-        raw NIXL from 1 MiB up 0.847-0.920 with ``send()`` and 0.896-0.941 with ``send_many()``,
-        0.936-0.982 and 0.928-0.959 as SCHED_BATCH). The policy is the thread's own: the engine's
-        threads and the posting thread keep theirs. No privilege is needed to take it; where it
-        cannot be taken (not Linux, a sandbox) the poller runs as it is."""
-        if self.poller_sched != "batch" or not hasattr(os, "SCHED_BATCH"):
+    def _schedule_poller(self, tid: int | None) -> None:
+        """Put the poller (thread ``tid``; 0: the calling thread, which is the poller) under
+        Linux's SCHED_BATCH, as the kernel's documentation puts it "mildly disfavored in
+        scheduling decisions" at wake-up: it does not preempt the thread running where it
+        wakes, but takes a CPU that is free or waits for the running thread's slice to end.
+        ``poller_sched="auto"`` (the default) does it once KV is registered in host memory, where
+        CPUs move the bytes: UCX copies inside a post, the writer's posting thread on one side,
+        and the poller's timed wake-ups (every ``idle_poll_s`` on a decode rank expecting writes)
+        preempted that copy (64 MiB copies on this 2-vCPU machine took up to 17 ms instead of 12,
+        interrupted ~25 times each; worst kvfsm / raw NIXL from 1 MiB up, three pairs of runs:
+        0.847-0.920 with ``send()`` and 0.896-0.941 with ``send_many()`` as before, 0.936-0.982
+        and 0.928-0.959 so). With KV in device memory the copy engines move the bytes and the
+        poller's prompt rounds take completions off the engine's thread: there it stays as it is
+        (on the H200 pair, under SCHED_BATCH the engine's CPU per 64 MiB chunk with
+        ``send_many()`` rose from 93-94 to 144-165 µs, three pairs). ``"batch"`` and ``"normal"``
+        force either. The policy is the poller's own: the engine's threads and the posting thread
+        keep theirs. It needs no privilege; where it cannot be taken (not Linux, a sandbox) the
+        poller runs as it is."""
+        if not hasattr(os, "SCHED_BATCH") or tid is None:
             return
         try:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: this thread
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
         except OSError as exc:
             log.debug("%s: the poller keeps its scheduling policy: %r", self.name, exc)
 

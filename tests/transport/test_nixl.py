@@ -824,11 +824,24 @@ def test_flush_during_a_host_copy_returns_and_the_posting_thread_posts_the_held_
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
-@pytest.mark.parametrize("sched", ["batch", "normal"])
-def test_the_poller_takes_sched_batch_by_default_and_no_other_thread_changes(sched: str) -> None:
-    """The poller runs under SCHED_BATCH (it does not preempt, at its timed wake-ups, a thread
-    copying on its CPU) unless told ``poller_sched="normal"``; the posting thread and the
-    caller's thread keep the policy they had. An unknown policy is refused."""
+@pytest.mark.parametrize(
+    ("sched", "kv_on", "batch"),
+    [
+        ("auto", "cpu", True),
+        ("auto", None, False),
+        ("auto", "cuda", False),
+        ("batch", None, True),
+        ("normal", "cpu", False),
+    ],
+)
+def test_the_poller_takes_sched_batch_where_cpus_copy_the_kv_and_no_other_thread_changes(
+    sched: str, kv_on: str | None, batch: bool
+) -> None:
+    """By default (``auto``) the poller runs under SCHED_BATCH (it does not preempt, at its timed
+    wake-ups, a thread copying on its CPU) once KV is registered in host memory, and keeps its
+    policy with KV in device memory or none registered; ``batch`` and ``normal`` force either.
+    The posting thread and the caller's thread keep the policy they had. An unknown policy is
+    refused."""
     import os
 
     from kvfsm.transport.nixl import NixlDataPlane
@@ -848,15 +861,26 @@ def test_the_poller_takes_sched_batch_by_default_and_no_other_thread_changes(sch
     t.join()
     if probe:
         pytest.skip(f"this sandbox refuses SCHED_BATCH: {probe[0]!r}")
+    kv: Any = None
+    if kv_on == "cuda":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("no GPU")
+        kv = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    elif kv_on == "cpu":
+        kv = np.zeros(1 << 16, np.uint8)
     with pytest.raises(ValueError, match="poller_sched"):
         NixlDataPlane("sched-bad", poller_sched="idle")
     mine = os.sched_getscheduler(0)
-    a = NixlDataPlane(f"sched-{sched}", poller_sched=sched)
+    a = NixlDataPlane(f"sched-{sched}-{kv_on}", poller_sched=sched)
     try:
-        want = os.SCHED_BATCH if sched == "batch" else mine
+        if kv is not None:
+            a.register_memory(kv, np.zeros(64, np.uint8), kv_block=4096, aux_block=64)
+        want = os.SCHED_BATCH if batch else mine
         deadline = time.monotonic() + 10
         while os.sched_getscheduler(a._poller.native_id) != want and time.monotonic() < deadline:
             time.sleep(0.001)
+        time.sleep(0.05)  # (a poller that took SCHED_BATCH late, wrongly, would show it now)
         assert os.sched_getscheduler(a._poller.native_id) == want
         assert os.sched_getscheduler(a._poster.native_id) == mine
         assert os.sched_getscheduler(0) == mine
