@@ -462,9 +462,9 @@ class NixlDataPlane:
             jobs = None
             # While the posting thread copies host memory (the whole copy, inside the post) the
             # writes stay held: it posts them itself when that post ends (``_submit``), before
-            # its next one, rather than the owner waiting out the copy for the agent and then
-            # taking it from under the posting thread (64 MiB chunks: ~1 ms of idle link per
-            # repetition, the owner and the poller waking and taking the GIL in turn).
+            # its next one. The owner does not wait out the copy for the agent: Manager.wait
+            # flushes first, and a wait(rooms, timeout=0) would otherwise block for the copy
+            # (12 ms per 64 MiB chunk on a 2-vCPU VM).
             if self._held and self._lock.acquire(blocking=not self._copying):
                 jobs = self._take_held()
         if jobs:
