@@ -312,6 +312,62 @@ def test_while_a_transfer_is_in_flight_small_writes_are_held_and_a_large_one_goe
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_a_large_write_takes_only_the_held_writes_that_fold_with_it() -> None:
+    """A write of ``hold_below`` bytes or more goes at once with the held writes that share its
+    transfer (same peer, op, memory kinds, kind of descriptor); held writes that would make
+    transfers of their own (here: to another peer; on a GPU, a room's aux slot in host memory
+    beside its KV in VRAM) stay held for the poller's round or a flush. Every write lands,
+    notifies and completes once."""
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    block = 4096
+    a = NixlDataPlane("apart-a", caller_posts="always", hold_below=2 * block)
+    b, c = NixlDataPlane("apart-b"), NixlDataPlane("apart-c")
+    src = np.random.default_rng(12).integers(0, 256, 8 * block, dtype=np.uint8)
+    to_b, to_c = np.zeros_like(src), np.zeros_like(src)
+    completions, done, on_a = _counting(6)
+    notes: list[tuple[str, bytes]] = []
+    try:
+        _connect(a, b, src, to_b, block, on_a, lambda item: notes.append(("b", item.data)))
+        c.set_handler(lambda item: notes.append(("c", item.data)))
+        c.register_memory(to_c, np.zeros(64, np.uint8), kv_block=block, aux_block=64)
+        a.add_peer(c.name, c.descriptor())
+        c.add_peer(a.name, a.descriptor())
+        pause = {"_progress": lambda *args: None, "_completions": lambda *args: None, "_flush_held": lambda: None}
+        vars(a).update(pause)  # the first transfer stays in flight, as far as a knows
+        time.sleep(0.05)
+
+        def w(peer: str, first: int, n: int, tag: int) -> None:
+            a.write(peer, "kv", [Segment(first * block, first * block, n * block)], str(tag).encode(), ("p", tag))
+
+        w(b.name, 0, 1, 0)
+        assert a.stats["transfers"] == 1 and not a._held, "nothing in flight: posted at once"
+        w(c.name, 0, 1, 1)
+        w(b.name, 1, 1, 2)
+        w(c.name, 1, 1, 3)
+        assert len(a._held) == 3, "small writes are held while a transfer is in flight"
+        w(b.name, 2, 2, 4)  # large
+        assert a.stats["transfers"] == 2, "the large write went at once, in one transfer"
+        assert sorted(j.tag for j in a._held) == [("p", 1), ("p", 3)], "the writes to c stay held"
+        assert all(j.peer == c.name for j in a._held) and a._held_bytes == 2 * block
+        w(b.name, 4, 4, 5)  # large, and nothing held folds with it
+        assert a.stats["transfers"] == 3 and len(a._held) == 2
+        for name in pause:
+            delattr(a, name)  # the class's methods again: the poller's round posts what is held
+        assert done.wait(20), "the held writes were not posted, or did not complete"
+        assert sorted(x.tag for x in completions) == [("p", i) for i in range(6)] and all(x.ok for x in completions)
+        assert _landed(to_b[: 8 * block], src) and _landed(to_c[: 2 * block], src[: 2 * block])
+        deadline = time.monotonic() + 10
+        while len(notes) < 6 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert sorted(notes) == sorted([("b", b"0"), ("c", b"1"), ("b", b"2"), ("c", b"3"), ("b", b"4"), ("b", b"5")])
+    finally:
+        a.close()
+        b.close()
+        c.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_flush_posts_the_held_writes_at_once_and_their_completions_follow() -> None:
     """``flush()`` (the owner waits: ``Manager.wait``) posts the writes a caller held back in
     the caller's own thread, with no poller round, and their completions follow soon (the
