@@ -435,6 +435,8 @@ class NixlDataPlane:
         self._poster = threading.Thread(target=self._post_loop, name=f"nixl-{name}-post", daemon=True)
         self._poller.start()
         self._poster.start()
+        if poller_sched == "batch":
+            self._schedule_poller()
 
     # ------------------------------------------------------------------ ports
 
@@ -506,7 +508,7 @@ class NixlDataPlane:
                 self._add_routes(p)
         kv = regions.get("kv")
         if self.poller_sched == "auto" and kv is not None and kv.nbytes and kv.mem == "DRAM":
-            self._schedule_poller(self._poller.native_id)  # KV in host memory: CPUs copy it
+            self._schedule_poller()  # KV in host memory: CPUs copy it
 
     def descriptor(self) -> bytes:
         with self._lock:
@@ -1006,8 +1008,6 @@ class NixlDataPlane:
     # ------------------------------------------------------------------ progress
 
     def _poll_loop(self) -> None:
-        if self.poller_sched == "batch":
-            self._schedule_poller(0)
         idle_since = last_round = time.monotonic()
         full_scan = 0.0
         tail_since: float | None = None  # the owner waits (flush): since the last completion seen
@@ -1068,11 +1068,11 @@ class NixlDataPlane:
             if pause > 0:
                 self._hurry.acquire(True, pause)  # (taken by a flush's release or not: locked again)
 
-    def _schedule_poller(self, tid: int | None) -> None:
-        """Put the poller (thread ``tid``; 0: the calling thread, which is the poller) under
-        Linux's SCHED_BATCH, as the kernel's documentation puts it "mildly disfavored in
-        scheduling decisions" at wake-up: it does not preempt the thread running where it
-        wakes, but takes a CPU that is free or waits for the running thread's slice to end.
+    def _schedule_poller(self) -> None:
+        """Put the poller thread under Linux's SCHED_BATCH, as the kernel's documentation puts
+        it "mildly disfavored in scheduling decisions" at wake-up: it does not preempt the thread
+        running where it wakes, but takes a CPU that is free or waits for the running thread's
+        slice to end.
         ``poller_sched="auto"`` (the default) does it once KV is registered in host memory, where
         CPUs move the bytes: UCX copies inside a post, the writer's posting thread on one side,
         and the poller's timed wake-ups (every ``idle_poll_s`` on a decode rank expecting writes)
@@ -1086,6 +1086,7 @@ class NixlDataPlane:
         force either. The policy is the poller's own: the engine's threads and the posting thread
         keep theirs. It needs no privilege; where it cannot be taken (not Linux, a sandbox) the
         poller runs as it is."""
+        tid = self._poller.native_id
         if not hasattr(os, "SCHED_BATCH") or tid is None:
             return
         try:
