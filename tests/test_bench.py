@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -142,3 +143,85 @@ def test_transfer_bench_floor_times_the_leanest_pipelined_loop(tmp_path: Path) -
     # the spinning shows in the engine's CPU per chunk (a 64 KiB copy costs ~15 µs here)
     assert floor["50.0"]["cpu_us_per_chunk"] - floor["0.0"]["cpu_us_per_chunk"] >= 30
     assert "floor / raw" in proc.stdout
+
+
+def _transfer_module() -> Any:
+    """bench/transfer.py imported as a module (its helpers, not a run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_transfer", ROOT / "bench" / "transfer.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_transfer_bench_takes_repetitions_in_blocks_or_round_after_round() -> None:
+    """``_measure``: one warm-up and ``reps`` repetitions of every contestant, each one's back
+    to back (``--order blocks``) or one of each per round (``interleaved``), then each
+    contestant's figures once."""
+    bench = _transfer_module()
+    log: list[str] = []
+
+    class Contestant:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def rep(self) -> None:
+            log.append(self.name)
+
+        def finish(self) -> None:
+            log.append(self.name + ".finish")
+
+    bench._measure([Contestant("raw"), Contestant("send")], 2, False)
+    assert log == ["raw"] * 3 + ["send"] * 3 + ["raw.finish", "send.finish"]
+    log.clear()
+    bench._measure([Contestant("raw"), Contestant("send")], 2, True)
+    assert log == ["raw", "send"] * 3 + ["raw.finish", "send.finish"]
+
+
+def test_transfer_bench_check_finds_a_page_that_was_not_written_right() -> None:
+    """The target checks every page a repetition writes, raw NIXL's as kvfsm's: one wrong byte
+    in any page of any room fails the check (both layouts)."""
+    import torch
+
+    bench = _transfer_module()
+    for case in bench.cases([64 << 10], 1 << 20):
+        rooms, chunks = case["plan"]
+        page = case["page"]
+        expected = bench._buffer(bench._extent(case), "cpu", 7)
+        dst = torch.zeros_like(expected)
+        assert not bench._check(dst, expected, case)  # nothing written
+        for r in range(rooms):
+            for c in range(chunks):
+                for sp, dp in zip(
+                    bench.pages_of(case, r, c, "prefill"), bench.pages_of(case, r, c, "decode"), strict=True
+                ):
+                    dst[dp * page : (dp + 1) * page] = expected[sp * page : (sp + 1) * page]
+        assert bench._check(dst, expected, case), case["layout"]
+        last = bench.pages_of(case, rooms - 1, chunks - 1, "decode")[-1]
+        dst[last * page + page - 1] ^= 1  # the last byte of the last page written
+        assert not bench._check(dst, expected, case), case["layout"]
+
+
+def test_transfer_bench_interleaved_order_pairs_every_round(tmp_path: Path) -> None:
+    """``--order interleaved``: raw NIXL's and kvfsm's repetitions round after round in the same
+    processes (raw NIXL's bytes checked by the target too), each API's ratio also as the median
+    of its rounds' ratios."""
+    from kvfsm.transport.nixl import nixl_available
+
+    if (why := nixl_available()) is not None:
+        pytest.skip(f"NIXL: {why}")
+    out = tmp_path / "transfer.json"
+    argv = ["--quick", "--reps", "3", "--sizes", "1024", "--layouts", "contig", "--order", "interleaved",
+            "--out", str(out)]  # fmt: skip
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer.py"), *argv],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["order"] == "interleaved"
+    (case,) = res["cases"]
+    for pre, ratio in (("kvfsm", "ratio"), ("kvfsm_many", "ratio_many")):
+        assert len(case[f"{pre}_reps_seconds"]) == len(case["raw_reps_seconds"])
+        rounds = sorted(r / k for r, k in zip(case["raw_reps_seconds"], case[f"{pre}_reps_seconds"], strict=True))
+        assert case[ratio + "_paired"] == rounds[len(rounds) // 2]
