@@ -423,7 +423,7 @@ def _served(conn: Any, ci: int, one: Any, check: bool = False) -> tuple[float, i
     if got != n:
         raise RuntimeError("bench: the target counted a different number of notifications")
     if ok is False:
-        raise RuntimeError(f"bench: decode found mismatched bytes after raw NIXL's repetition of case {ci}")
+        raise RuntimeError(f"bench: the target found mismatched bytes after raw NIXL's repetitions of case {ci}")
     return seconds, n
 
 
@@ -787,7 +787,7 @@ def _target(conn: Any, nbytes: int, device: str, params: dict[str, str], all_cas
     """The target process: serves the initiator's repetitions, raw NIXL's and kvfsm's, in the
     order they come."""
     dst = _buffer(nbytes, device, None)
-    expected = _buffer(nbytes, device, 7)  # the initiator's bytes: every repetition is checked
+    expected = _buffer(nbytes, device, 7)  # the initiator's bytes, to check what repetitions wrote
     raw = RawTarget(conn, dst, expected, params)
     kv: KvfsmTarget | None = None
     while True:
