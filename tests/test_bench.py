@@ -225,3 +225,24 @@ def test_transfer_bench_interleaved_order_pairs_every_round(tmp_path: Path) -> N
         assert len(case[f"{pre}_reps_seconds"]) == len(case["raw_reps_seconds"])
         rounds = sorted(r / k for r, k in zip(case["raw_reps_seconds"], case[f"{pre}_reps_seconds"], strict=True))
         assert case[ratio + "_paired"] == rounds[len(rounds) // 2]
+
+
+def test_cpus_bench_quick_run_times_each_cpu_alone_and_beside_a_busy_one(tmp_path: Path) -> None:
+    """bench/cpus.py: the loop's speed on every CPU alone, its slowdown on every other CPU beside
+    each busy one (``--slowed 0`` lists them all), and its rounds pinned to one CPU over time."""
+    import os
+
+    out = tmp_path / "cpus.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cpus.py"), "--quick", "--slowed", "0",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    cpus = sorted(os.sched_getaffinity(0))
+    assert res["cpus"] == cpus and set(res["alone_us_per_iteration"]) == {str(c) for c in cpus}
+    assert all(v > 0 for v in res["alone_us_per_iteration"].values()) and res["alone_slowest_over_fastest"] >= 1
+    assert set(res["beside"]) == {str(c) for c in {cpus[0], cpus[len(cpus) // 2], cpus[-1]}}
+    for busy, row in res["beside"].items():
+        others = [c for c in cpus if str(c) != busy]
+        assert row["slowed"] == others and set(row["slowdown"]) == {str(c) for c in others}
+    t = res["over_time"]
+    assert t["rounds"] > 0 and 0 < t["round_ms_median"] <= t["round_ms_p95"] and t["second_medians_ms"]
