@@ -29,6 +29,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,19 +47,25 @@ def _loop(n: int = 1000) -> int:
     return s
 
 
-def speed(cpu: int, seconds: float) -> float:
-    """µs of CPU per iteration of ``_loop`` on ``cpu`` over ``seconds`` of wall time (this
-    thread pinned there meanwhile, then unpinned)."""
+@contextmanager
+def _pinned(cpu: int) -> Iterator[None]:
+    """This thread on ``cpu`` alone meanwhile, then on the CPUs it had."""
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpu})
     try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def speed(cpu: int, seconds: float) -> float:
+    """µs of CPU per iteration of ``_loop`` on ``cpu`` over ``seconds`` of wall time."""
+    with _pinned(cpu):
         n, c0, end = 0, time.thread_time(), time.perf_counter() + seconds
         while time.perf_counter() < end:
             _loop()
             n += 1
         return (time.thread_time() - c0) / n * 1e6
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def _spin(cpu: int, stop: Any) -> None:
@@ -89,17 +97,13 @@ def over_time(cpu: int, seconds: float) -> dict[str, Any]:
     """The loop pinned to ``cpu`` in ~5 ms rounds for ``seconds``."""
     per_round = max(1, int(5000 / max(speed(cpu, 0.05), 1e-3)))  # iterations in ~5 ms
     rounds: list[tuple[float, float]] = []
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpu})
-    try:
+    with _pinned(cpu):
         start = time.perf_counter()
         while (now := time.perf_counter()) - start < seconds:
             c0 = time.thread_time()
             for _ in range(per_round):
                 _loop()
             rounds.append((now - start, (time.thread_time() - c0) * 1e3))
-    finally:
-        os.sched_setaffinity(0, before)
     by_second: dict[int, list[float]] = {}
     for t, ms in rounds:
         by_second.setdefault(int(t), []).append(ms)
