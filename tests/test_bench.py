@@ -26,8 +26,8 @@ def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
     assert res["step"]["us_per_step"] > 0 and res["step"]["us_per_step_transitions"] > res["step"]["us_per_step"]
     assert set(res["churn"]) >= {"100", "1000", "ratio_high_to_low"}
     assert {"stream", "single", "scattered"} <= set(res["bandwidth"])
-    hot = res["hot_path"]  # the runtime around a step costs more than the bare step
-    assert hot["send_us"] > hot["core_send_step_us"] > 0 and hot["completion_us"] > hot["core_completion_step_us"] > 0
+    hot = res["hot_path"]  # (the runtime's fast rows may cost less than the bare generic step: no order)
+    assert min(hot["send_us"], hot["core_send_step_us"], hot["completion_us"], hot["core_completion_step_us"]) > 0
     long_chunks = res["long_chunks"]  # send() of long chunks, pages held three ways, against 16 pages
     assert set(long_chunks) == {"list", "numpy", "range"}
     for row in long_chunks.values():
@@ -47,6 +47,7 @@ def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
             assert row["process_us"] >= row["engine_us"] > 0
             assert 0 < row["transfers_per_chunk"] < 0.5 and row["tail_us"] > 0
         assert nixl["16_send"]["tail_no_flush_us"] > 0
+        assert nixl["16_send"]["tail_no_drive_us"] > 0 and nixl["16_send_many"]["tail_no_drive_us"] > 0
         assert nixl["16_send"]["generic_engine_us"] > 0 and nixl["16_send_many"]["generic_engine_us"] > 0
         scattered = nixl["256_scattered_send"]  # a segment per page: arrays, and Segments as the baseline
         assert scattered["segments_engine_us"] > 0 and scattered["engine_us"] > 0

@@ -40,7 +40,7 @@ from typing import Any
 
 from kvfsm.protocol import functions as f
 from kvfsm.protocol.actions import PostAuxWrite
-from kvfsm.protocol.events import ChunkArrived, ChunkReady
+from kvfsm.protocol.events import AUX_WRITE, ChunkArrived, ChunkReady
 from kvfsm.protocol.machine import RoomMachine
 from kvfsm.protocol.pages import Pages
 from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
@@ -133,32 +133,58 @@ def chunk(room: PrefillRoom, ev: ChunkReady) -> ChunkPosts | None:
     return chunk_id, note, writes, cancelled, [f.aux_write(room, ev, w[0]) for w in writes] if last else ()
 
 
-def run_chunk(room: PrefillRoom, first: int, n: int) -> tuple[int, int, int, int] | None:
-    """Row P11 for a chunk that is not the last, of the ``n`` pages ``first, first + 1, ...``
-    (the caller knows they are one ascending run of ints: ``chunk`` is given them as such),
-    where ``chunk`` would take it and post exactly one write of one segment: a room in Transferring.Sending with
-    its input timer gone and one decode rank, whose announced pages are one ascending run. The
-    room updated exactly as ``chunk`` updates it; returns (chunk id, decode rank, the first
-    destination page, the chunk's first index into the announcement), from which the caller
-    builds the one write and its notification (``functions.advance``'s, for ``n`` pages). None,
-    the room untouched, otherwise (``chunk`` or the generic step then takes the chunk)."""
-    if room.state != SENDING or room.last_seen or n < 1 or first < 0 or first + n > room.kv_pages:
+# what run_chunk leaves to the caller: chunk id, decode rank, the first destination page, the
+# chunk's first index into the announcement, whether the input timer was armed, and the decode
+# rank's aux slot (the aux write's destination, with the last chunk)
+RunPosts = tuple[int, int, int, int, bool, int]
+
+
+def run_chunk(room: PrefillRoom, first: int, n: int, aux_slot: int | None = None) -> RunPosts | None:
+    """Row P11 (``aux_slot`` None) or P10 (the last chunk, with its aux slot) for a chunk of the
+    ``n`` pages ``first, first + 1, ...`` (the caller knows they are one ascending run of ints:
+    ``chunk`` is given them as such), where ``chunk`` would take it and post exactly one write of
+    one segment (and, with the last chunk, its one aux write): a room in WaitingForInput or
+    Transferring.Sending with one decode rank, whose announced pages are one ascending run. The
+    room updated exactly as ``chunk`` updates it (its state too: the caller tells the runtime of
+    a change, as after a step); returns what ``RunPosts`` lists, from which the caller builds
+    the write, its notification (``functions.advance``'s, for ``n`` pages) and, with the last
+    chunk, the aux write (``functions.aux_write``'s). None, the room untouched, otherwise
+    (``chunk`` or the generic step then takes the chunk)."""
+    state = room.state
+    if (state != SENDING and state != WAITING) or room.last_seen or n < 1 or first < 0 or first + n > room.kv_pages:
         return None
     dests = room.dests
-    timers = room.timers
-    if len(dests) != 1 or INPUT in timers:
+    if len(dests) != 1:
         return None
     ((dest, ann),) = dests.items()
     start = room.cursor
-    if not ann.run or start + n > len(ann.pages):
-        return None  # not one segment, or P9 (a chunk that does not fit)
+    end = start + n
+    if not ann.run:
+        return None  # not one segment
+    if aux_slot is None:
+        if end > len(ann.pages):
+            return None  # P9 (a chunk that does not fit)
+    elif end != len(ann.pages) or not 0 <= aux_slot < room.aux_slots:
+        return None  # P9, or an invalid chunk
+    timers = room.timers
+    cancelled = INPUT in timers
+    if cancelled:
+        timers.discard(INPUT)
     chunk_id = room.next_chunk
-    room.inflight.add((dest, chunk_id))
-    room.cursor = start + n
+    inflight = room.inflight
+    inflight.add((dest, chunk_id))
+    if aux_slot is None:
+        room.state = SENDING
+        room.last_row = "P11"
+    else:
+        inflight.add((dest, AUX_WRITE))
+        room.last_seen = True
+        room.state = DRAINING
+        room.last_row = "P10"
+    room.cursor = end
     room.next_chunk = chunk_id + 1
     timers.add(TIMER)
-    room.last_row = "P11"
-    return chunk_id, dest, ann.pages[start], start
+    return chunk_id, dest, ann.pages[start], start, cancelled, ann.aux_slot
 
 
 def completion(room: PrefillRoom, dest: int, chunk_id: int) -> bool:

@@ -46,7 +46,10 @@ class KVSender(RoomHandle):
         integer numpy array or tensor); the last chunk carries the aux slot. Chunks ready before
         decode announced its pages are held (scenario 2). Raises LocalProtocolError on misuse (a
         chunk after the last, pages outside the KV region, indices that are not integers)."""
-        if not is_last and aux_slot is None and self.manager._send_run(self.room, pages):
+        if is_last is True:
+            if type(aux_slot) is int and self.manager._send_run(self.room, pages, aux_slot):
+                return
+        elif aux_slot is None and not is_last and self.manager._send_run(self.room, pages):
             return
         slot = None if aux_slot is None else as_index(aux_slot, "aux_slot")
         self.manager._chunk(self.room, ChunkReady(as_pages(pages), bool(is_last), slot))
@@ -67,6 +70,7 @@ class PrefillManager(Manager):
         self._batch_bytes = self._batch_segments = 0  # ... and their bytes and segments
         self._batch_aux: list[Write] = []  # ... its aux writes: handed over at its end, together
         self._pack_note = self.codec.packer("chunk_written")  # a chunk's notification from its fields
+        self._pack_aux = self.codec.packer("aux_written")  # ... and an aux write's
 
     def create_sender(self, room: int) -> KVSender:
         """Create room ``room`` on this rank. Messages that arrived for it earlier are applied now."""
@@ -112,17 +116,23 @@ class PrefillManager(Manager):
 
     def _run_item(self, item: Sequence[Any]) -> bool:
         """A send_many() item taken by the leanest path (``_send_run``), as ``send()`` takes it:
-        not the last chunk, its pages a list that is one ascending run of ints, its room an int
-        or this manager's sender. False, nothing done, otherwise."""
+        its pages a list that is one ascending run of ints, its room an int or this manager's
+        sender, and either not the last chunk or the last (``True``) with an int aux slot. False,
+        nothing done, otherwise."""
         k = len(item)
-        if not (k == 2 or (k == 3 and item[2] is False) or (k == 4 and item[2] is False and item[3] is None)):
+        slot = None
+        if k == 4 and item[2] is True:
+            slot = item[3]
+            if type(slot) is not int:
+                return False
+        elif not (k == 2 or (k == 3 and item[2] is False) or (k == 4 and item[2] is False and item[3] is None)):
             return False
         room, pages = item[0], item[1]
         if type(room) is not int:
             if not isinstance(room, KVSender) or room.manager is not self:
                 return False
             room = room.room
-        return self._send_run(room, pages)
+        return self._send_run(room, pages, slot)
 
     def _chunk_item(self, item: Sequence[Any]) -> tuple[int, ChunkReady]:
         """One send_many() item as (room id, ChunkReady); LocalProtocolError if malformed."""
@@ -152,14 +162,16 @@ class PrefillManager(Manager):
                     return
             self._local(rid, event)
 
-    def _send_run(self, rid: int, pages: Any) -> bool:
-        """The leanest path of a chunk that is not the last and whose pages (a list) are one
-        ascending run of ints, from ``send()`` or ``send_many()``: row P11 as
-        ``fastpath.run_chunk`` applies it, and its one write of one segment posted as
-        ``_chunk_posted`` and ``_post_kv`` would post it (``_post_run``), without the chunk's
-        event, its page tuple, the notification's object or the segment list. False, nothing
-        done, where it does not apply (pages in any other form, the fast rows off, events
-        queued, or ``run_chunk`` refusing the chunk): the caller then takes the usual path."""
+    def _send_run(self, rid: int, pages: Any, aux_slot: int | None = None) -> bool:
+        """The leanest path of a chunk whose pages (a list) are one ascending run of ints, from
+        ``send()`` or ``send_many()``: row P11, or P10 for the last chunk (``aux_slot``), as
+        ``fastpath.run_chunk`` applies it, carried out as ``_chunk_posted`` carries out the row
+        (the room's change of state, the timers) and its one write of one segment (and the aux
+        write) posted as ``_post_kv`` and ``_post`` would post them (``_post_run``), without the
+        chunk's event, its page tuple, the notification's object or the segment list. False,
+        nothing done, where it does not apply (pages in any other form, the fast rows off,
+        events queued, or ``run_chunk`` refusing the chunk): the caller then takes the usual
+        path (which also raises for a misuse)."""
         if type(pages) is not list or len(pages) < 2 or _list_run(pages) is None:
             return False  # (one ascending run of ints, checked in C)
         first, n = pages[0], len(pages)
@@ -167,46 +179,64 @@ class PrefillManager(Manager):
             rt = self._rooms.get(rid)
             if rt is None or not self.fast_rows or self._draining or self._queue:
                 return False
-            got = fastpath.run_chunk(rt.room, first, n)
+            room = rt.room
+            before = room.state
+            got = fastpath.run_chunk(room, first, n, aux_slot)
             if got is None:
                 return False
-            chunk_id, dest, dst_first, start = got
+            chunk_id, dest, dst_first, start, cancelled, dst_slot = got
             now = self.clock()
+            if room.state != before:  # the first chunk (into Sending), or the last (Draining)
+                self._state_changed(rt, before, now)
+            if cancelled:
+                self._timers.cancel(rid, fastpath.INPUT)
             self._timers.set(rid, fastpath.TIMER, now + self._transfer_s)
             if rt.started is None:
                 rt.started = now
             self._draining = self._fast_posting = True  # as _chunk_posted: completions meanwhile
             try:
-                self._post_run(rt, (rid, dest, chunk_id), first, dst_first, n, start)
+                page = self.page_bytes
+                tag = (rid, dest, chunk_id)
+                try:
+                    note = self._pack_note(rid, room.rank, chunk_id, aux_slot is not None, start, n)
+                except Exception as exc:  # noqa: BLE001 - as _post_kv: the write fails, not the step
+                    self._fail_write(tag, exc)
+                else:
+                    self._post_run(rt, tag, "kv", first * page, dst_first * page, n * page, note)
+                if aux_slot is not None:
+                    tag = (rid, dest, AUX_WRITE)
+                    size = self.aux_slot_bytes
+                    try:
+                        note = self._pack_aux(rid, room.rank)
+                    except Exception as exc:  # noqa: BLE001 - as _post: the write fails, not the step
+                        self._fail_write(tag, exc)
+                    else:
+                        self._post_run(rt, tag, "aux", aux_slot * size, dst_slot * size, size, note)
             finally:
                 self._draining = self._fast_posting = False
             if self._queue:
                 self._drain()
             return True
 
-    def _post_run(self, rt: RoomRuntime, tag: WriteTag, first: int, dst: int, n: int, start: int) -> None:
-        """``_send_run``'s write, as ``_post_kv`` posts it: with no transfer workers and no
-        send_many() under way, handed straight to the endpoint's ``write_run`` if it has one
-        (what ``_hand`` and ``_write`` would do, inline), else through ``_hand``."""
-        try:
-            note = self._pack_note(tag[0], rt.room.rank, tag[2], False, start, n)
-        except Exception as exc:  # noqa: BLE001 - as _post_kv: the write fails, not the step
-            self._fail_write(tag, exc)
-            return
-        page = self.page_bytes
-        moved = n * page
+    def _post_run(
+        self, rt: RoomRuntime, tag: WriteTag, region: str, src: int, dst: int, length: int, note: bytes
+    ) -> None:
+        """``_send_run``'s writes (one segment each, byte offsets), as ``_post_kv`` and ``_post``
+        post them: with no transfer workers and no send_many() under way, handed straight to the
+        endpoint's ``write_run`` if it has one (what ``_hand`` and ``_write`` would do, inline),
+        else through ``_hand``."""
         write_run = None if self._batch is not None or self.pool.size else getattr(self.endpoint, "write_run", None)
         if write_run is None:
-            self._hand(rt, tag, "kv", [Segment(first * page, dst * page, moved)], note)
+            self._hand(rt, tag, region, [Segment(src, dst, length)], note)
             return
-        rt.bytes += moved
+        rt.bytes += length
         rt.descriptors += 1
         self.telemetry.count2("writes_posted", 1, "descriptors", 1)
         peer = self._peer_names.get(tag[1])  # the route as it is now, when posted
         try:
             if peer is None:
                 raise LocalProtocolError(f"no route to decode rank {tag[1]}")
-            moved = write_run(peer, "kv", first * page, dst * page, moved, note, tag)
+            moved = write_run(peer, region, src, dst, length, note, tag)
         except BaseException as exc:  # noqa: BLE001 - as the inline worker pool: the write fails
             self._fail_write(tag, exc)
             return
@@ -457,9 +487,14 @@ class PrefillManager(Manager):
     def _hand_batch(self, batch: list[Write]) -> None:
         """The writes of a send_many(): one transfer job per worker shard (a room's writes stay on
         its worker, in order), inline with workers=0."""
+        size = self.pool.size
+        if not size:  # inline: one job
+            if batch:
+                self.pool.submit(0, self._write_batch, (batch,), self._batch_failed)
+            return
         shards: dict[int, list[Write]] = {}
         for w in batch:
-            shards.setdefault(w[4][0] % self.pool.size if self.pool.size else 0, []).append(w)  # type: ignore[index]
+            shards.setdefault(w[4][0] % size, []).append(w)  # type: ignore[index]
         for shard, writes in shards.items():
             self.pool.submit(shard, self._write_batch, (writes,), self._batch_failed)
 
@@ -471,11 +506,14 @@ class PrefillManager(Manager):
                 self._fail_write(w[4], LocalProtocolError(f"no route to decode rank {w[4][1]}"))
             else:
                 routed.append(w)
+        written = 0
         for w, moved in zip(routed, write_many(self.endpoint, routed), strict=True):
             if isinstance(moved, int):
-                self.telemetry.count("bytes_written", moved)
+                written += moved
             else:
                 self._fail_write(w[4], moved)  # type: ignore[arg-type]
+        if written:
+            self.telemetry.count("bytes_written", written)
 
     def _batch_failed(self, exc: BaseException, writes: list[Write]) -> None:
         """``_write_batch`` itself raised (the pool's on_error): every write of it fails."""

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from protocol_kit import (
     ALL_TRIGGERS,
+    AUX_SLOTS,
     KV_PAGES,
     MACHINES,
     SPEC,
@@ -40,6 +41,7 @@ from kvfsm.protocol.spec import ProtocolSpec
 
 M = MACHINES["prefill"]
 TRANSFER_S = M.timeouts[fastpath.TIMER]
+LEAN_STATES = (fastpath.WAITING, fastpath.SENDING)  # where run_chunk may apply
 
 
 def _fields(actions):
@@ -69,26 +71,31 @@ def check_chunk(room, ev: ChunkReady, now: float) -> bool:
 
 def check_run_chunk(room, ev: ChunkReady) -> bool:
     """``run_chunk`` (the runtime's leanest path) against ``chunk`` for a chunk that is one run
-    of pages and not the last: where it applies, ``chunk`` applies too, with exactly its one
-    write of one segment, and both leave the room the same; where it refuses, its copy is
-    untouched and ``chunk`` does not take P11 from Sending with one such write either."""
+    of pages (the last one with its aux slot): where it applies, ``chunk`` applies too, with
+    exactly its one write of one segment (and, for the last chunk, its one aux write), and both
+    leave the room the same; where it refuses, its copy is untouched and ``chunk`` does not take
+    P11 or P10 with one such write either."""
     pages, n = ev.pages, len(ev.pages)
-    if ev.is_last or ev.aux_slot is not None or not n or tuple(pages) != tuple(range(pages[0], pages[0] + n)):
+    if not n or tuple(pages) != tuple(range(pages[0], pages[0] + n)) or ev.is_last != (ev.aux_slot is not None):
         return False
     lane, full = copy.deepcopy(room), copy.deepcopy(room)
-    got = fastpath.run_chunk(lane, pages[0], n)
+    got = fastpath.run_chunk(lane, pages[0], n, ev.aux_slot)
     done = fastpath.chunk(full, ev)
     if got is None:
         assert snapshot(lane) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
-        if done is not None and room.state == fastpath.SENDING:
-            assert done[3] or len(done[2]) != 1 or not done[2][0][2], f"{ev}: run_chunk refused a plain P11"
+        if done is not None:
+            assert len(done[2]) != 1 or not done[2][0][2], f"{ev} in {room.state}: run_chunk refused a one-run row"
         return False
     assert done is not None, f"{ev} in {room.state}: run_chunk applied, chunk did not"
     chunk_id, note, writes, cancelled, aux = done
-    assert not cancelled and not aux and len(writes) == 1
+    assert len(writes) == 1
     dest, dst, one_run = writes[0]
-    assert one_run and got == (chunk_id, dest, dst[0], note.page_start)
-    assert (note.room, note.src, note.is_last, note.num_pages) == (room.room, room.rank, False, n)
+    assert one_run and got == (chunk_id, dest, dst[0], note.page_start, cancelled, room.dests[dest].aux_slot)
+    assert (note.room, note.src, note.is_last, note.num_pages) == (room.room, room.rank, ev.is_last, n)
+    if ev.is_last:
+        assert [(a.dest_rank, a.src_slot, a.dst_slot) for a in aux] == [(dest, ev.aux_slot, got[5])]
+    else:
+        assert not aux
     assert snapshot(lane) == snapshot(full), f"{ev} in {room.state}: rooms differ"
     return True
 
@@ -184,7 +191,7 @@ def test_fast_rows_change_a_room_as_the_generic_step_does(data):
         event = _event(data, trigger, room)
         now += data.draw(st.floats(0.0, 50.0), label="dt")
         if trigger == "chunk_ready" and check_run_chunk(room, event):
-            label("fast P11 as one run (run_chunk)")
+            label(f"fast {'P10' if event.is_last else 'P11'} as one run (run_chunk)")
         if trigger == "chunk_ready" and check_chunk(room, event, now):
             label(f"fast {'P10' if event.is_last else 'P11'} from {room.state}")
         if trigger == "write_completed" and check_completion(room, event, now):
@@ -208,9 +215,11 @@ def _sending_room(dests=(0,), pages_per_dest=8):
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_run_chunk_changes_a_room_as_chunk_does(data):
-    """Rooms where the leanest path mostly applies (one decode rank, in Sending, chunks that are
-    runs), and now and then where it must not (pages announced out of order, several decode
-    ranks, a chunk that does not fit, its last chunk, a completion in between)."""
+    """Rooms where the leanest path mostly applies (one decode rank, in WaitingForInput or
+    Sending, chunks that are runs, the last one too), and now and then where it must not (pages
+    announced out of order, several decode ranks, a chunk that does not fit, a last chunk that
+    does not end the announcement or whose aux slot is not registered, a completion in
+    between)."""
     dests = data.draw(st.sampled_from([(0,)] * 6 + [(1,), (0, 2)]), label="dests")
     n = data.draw(st.integers(2, KV_PAGES), label="announced")
     room = new_room("prefill", required_dests=len(dests))
@@ -220,15 +229,16 @@ def test_run_chunk_changes_a_room_as_chunk_does(data):
         if data.draw(st.integers(0, 5), label="scrambled") == 0:
             pages = pages[::-1]
         M.step(room, announce(pages, dest=d, required=len(dests)), 1.0)
-    M.step(room, ready([0]), 2.0)
+    if data.draw(st.booleans(), label="first chunk in"):
+        M.step(room, ready([0]), 2.0)
     applied = 0
     for _ in range(data.draw(st.integers(1, 12), label="chunks")):
-        left = len(room.dests[dests[0]].pages) - room.cursor if room.state == fastpath.SENDING else 1
+        left = len(room.dests[dests[0]].pages) - room.cursor if room.state in LEAN_STATES else 1
         k = data.draw(st.integers(1, max(1, left + 1)), label="pages")
         first = data.draw(st.integers(-1, KV_PAGES - k + 1), label="from")
         pages = tuple(range(first, first + k))
-        last = data.draw(st.integers(0, 9), label="last") == 0
-        ev = ready(pages, last=last)
+        last = k == left or data.draw(st.integers(0, 9), label="last") == 0
+        ev = ready(pages, last=last, aux=data.draw(st.sampled_from([0, 1, AUX_SLOTS]), label="aux"))
         applied += check_run_chunk(room, ev)
         try:
             M.step(room, ev, 3.0)

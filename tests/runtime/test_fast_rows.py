@@ -18,8 +18,8 @@ import pytest
 
 from kvfsm.check.mutants import mutated_protocol
 from kvfsm.protocol import KVPoll, LocalProtocolError, fastpath
-from kvfsm.protocol.events import Abort
-from kvfsm.protocol.wire import ChunkWritten
+from kvfsm.protocol.events import AUX_WRITE, Abort
+from kvfsm.protocol.wire import AuxWritten, ChunkWritten
 from kvfsm.testing import LoopbackCluster
 from kvfsm.transport.base import Inbound, TransportError
 from kvfsm.transport.loopback import Faults
@@ -152,6 +152,7 @@ def test_the_fast_rows_change_nothing_the_runtime_does(seed: int, monkeypatch: p
     def counted_run(*args: Any) -> Any:
         got = run_chunk(*args)
         taken["run"] += got is not None
+        taken["P10"] += got is not None and args[0].last_row == "P10"
         return got
 
     def counted_chunk(*args: Any) -> Any:
@@ -232,42 +233,61 @@ def test_a_completion_behind_a_queued_event_waits_its_turn() -> None:
 
 
 def test_a_chunk_of_adjacent_pages_goes_as_one_write_run_and_a_refused_one_fails_its_room_only() -> None:
-    """``send()`` of a list of adjacent pages in Sending takes the leanest path: one
-    ``write_run`` of the chunk's bytes, the notification byte for byte what the generic path
-    encodes, the room's counts as ``_hand`` keeps them. A ``write_run`` that raises fails that
-    room's write (and the room), as a refused ``write`` does; the other room goes on."""
+    """``send()`` of a list of adjacent pages takes the leanest path, the first chunk (from
+    WaitingForInput) and the last (with its aux write) too: one ``write_run`` of the chunk's
+    bytes, the notification byte for byte what the generic path encodes, the room's counts as
+    ``_hand`` keeps them. A ``write_run`` that raises fails that room's write (and the room), as
+    a refused ``write`` does; the other room goes on."""
     c = LoopbackCluster(pages=64, page_bytes=256)
     try:
         p, d = c.prefill[0], c.decode[0]
         calls: list[tuple[Any, ...]] = []
         write_run = p.endpoint.write_run
-        refuse = {2}
+        refuse = {(2, 1)}  # room 2's second chunk
 
         def spy(peer: str, region: str, src: int, dst: int, length: int, note: bytes, tag: Any) -> int:
             calls.append((peer, region, src, dst, length, note, tag))
-            if tag[0] in refuse:
+            if tag[::2] in refuse:
                 raise TransportError("simulated: peer gone")
             return write_run(peer, region, src, dst, length, note, tag)  # type: ignore[no-any-return]
 
         p.endpoint.write_run = spy  # type: ignore[method-assign]
         senders = {}
         for rid, base in ((1, 0), (2, 16)):
-            d.create_receiver(rid).init(list(range(base + 32, base + 40)), 0)
+            d.create_receiver(rid).init(list(range(base + 32, base + 40)), 1)
             senders[rid] = p.create_sender(rid)
         c.settle()
         for rid, base in ((1, 0), (2, 16)):
-            senders[rid].send([base, base + 1])  # the first chunk: WaitingForInput, fastpath.chunk
-        assert calls == []
+            senders[rid].send([base, base + 1])  # the first chunk: WaitingForInput into Sending
+            note = p.codec.encode(ChunkWritten(rid, 0, 0, False, 0, 2))
+            assert calls[-1] == ("decode/0", "kv", base * 256, (base + 32) * 256, 2 * 256, note, (rid, 0, 0))
+            assert p.state(rid) == "Transferring.Sending" and p._rooms[rid].room.last_row == "P11"
+            assert not p._timers.armed(rid, "input")
         senders[1].send([2, 3, 4])
         note = p.codec.encode(ChunkWritten(1, 0, 1, False, 2, 3))
-        assert calls == [("decode/0", "kv", 2 * 256, 34 * 256, 3 * 256, note, (1, 0, 1))]
+        assert calls[-1] == ("decode/0", "kv", 2 * 256, 34 * 256, 3 * 256, note, (1, 0, 1))
         assert p._rooms[1].room.last_row == "P11" and p._rooms[1].bytes == 5 * 256
         senders[2].send([18, 19])
         assert calls[-1][6] == (2, 0, 1)
         c.settle()
         assert senders[2].poll() == KVPoll.Failed and "simulated: peer gone" in p.failure_exception(2).reason
         assert p.stats()["counters"]["write_errors"] == 1
-        senders[1].send([5, 6, 7], is_last=True, aux_slot=0)
+        n = len(calls)
+        senders[1].send([5, 6, 7], is_last=True, aux_slot=2)
+        aux = p.aux_slot_bytes
+        assert calls[n:] == [
+            (
+                "decode/0",
+                "kv",
+                5 * 256,
+                37 * 256,
+                3 * 256,
+                p.codec.encode(ChunkWritten(1, 0, 2, True, 5, 3)),
+                (1, 0, 2),
+            ),
+            ("decode/0", "aux", 2 * aux, 1 * aux, aux, p.codec.encode(AuxWritten(1, 0)), (1, 0, AUX_WRITE)),
+        ]
+        assert p._rooms[1].room.last_row == "P10" and p._rooms[1].bytes == 8 * 256 + aux
         c.settle()
         assert senders[1].poll() == KVPoll.Success
         assert c.kv_equal(0, list(range(8)), 0, list(range(32, 40)))

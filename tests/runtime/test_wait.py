@@ -126,3 +126,53 @@ def test_wait_tells_the_endpoint_to_flush_before_it_blocks() -> None:
         assert rc.wait(timeout=5) == KVPoll.Success  # the decode endpoint has no flush: unaffected
     finally:
         c.close()
+
+
+def test_wait_drives_an_endpoint_that_offers_it_until_it_declines_and_then_blocks() -> None:
+    """An endpoint with ``drive`` (NIXL: one round of progress in the caller's thread) is driven
+    by ``wait()`` after its flush, round after round outside the manager's lock, while it says
+    another round is worth it and the rooms are not there yet; then ``wait()`` blocks as usual,
+    and it tells the endpoint it stopped (``drive(False)``) however it returns."""
+    c = LoopbackCluster()
+    calls: list[tuple[bool, bool]] = []
+    try:
+        p = c.prefill[0]
+        senders = [p.create_sender(r) for r in (1, 2)]
+        for i, r in enumerate((1, 2)):
+            c.decode[0].create_receiver(r).init([10 * i, 10 * i + 1], i)
+        c.settle()
+        for i, s in enumerate(senders):
+            s.send([i, i + 4], is_last=True, aux_slot=i)  # posted: completions wait for the pump
+
+        def drive(on: bool = True) -> bool:
+            calls.append((on, p._lock._is_owned()))  # type: ignore[attr-defined]
+            if on and len(calls) == 3:
+                c.settle()  # this round completes the writes, in the waiting thread
+            return on
+
+        p.endpoint.drive = drive  # type: ignore[attr-defined]
+        assert p.wait([1, 2], KVPoll.Success, timeout=30) == [KVPoll.Success] * 2
+        assert calls == [(True, False)] * 3 + [(False, False)]  # until the rooms got there, then stopped
+
+        # an endpoint that declines: wait() blocks and is woken as usual
+        calls.clear()
+        s = p.create_sender(3)
+        c.decode[0].create_receiver(3).init([20, 21], 2)
+        p.endpoint.drive = lambda on=True: calls.append((on, False)) or False  # type: ignore[attr-defined]
+        t, out = _in_thread(lambda: p.wait([3], KVPoll.Success, timeout=30))
+        time.sleep(0.05)
+        assert t.is_alive() and calls == [(True, False)], "one round declined: wait() blocks"
+        c.settle()
+        s.send([2, 3], is_last=True, aux_slot=2)
+        c.settle()
+        t.join(5)
+        assert not t.is_alive() and out == [[KVPoll.Success]] and calls[-1] == (False, False)
+
+        # a wait that times out stops driving too
+        calls.clear()
+        p.create_sender(4)
+        p.endpoint.drive = lambda on=True: calls.append((on, False)) or on  # type: ignore[attr-defined]
+        assert p.wait([4], KVPoll.Success, timeout=0.05) == [KVPoll.Bootstrapping]
+        assert len(calls) > 1 and calls[-1] == (False, False) and all(on for on, _ in calls[:-1])
+    finally:
+        c.close()
