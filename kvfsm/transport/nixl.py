@@ -362,6 +362,7 @@ class NixlDataPlane:
         hold_below: int = HOLD_BELOW_BYTES,
         poller_sched: str = "auto",
         drive_s: float = DRIVE_S,
+        scan_ahead: int = SCAN_AHEAD,
     ) -> None:
         if caller_posts not in CALLER_POSTS:
             raise ValueError(f"caller_posts must be one of {CALLER_POSTS}, not {caller_posts!r}")
@@ -382,6 +383,7 @@ class NixlDataPlane:
         self.hot_window_s = hot_window_s
         self.xfer_timeout_s = xfer_timeout_s
         self.drive_s = float(drive_s)
+        self.scan_ahead = max(1, int(scan_ahead))
         config = config_cls(enable_prog_thread=progress_thread, backends=[], capture_telemetry=telemetry)
         startup_errors: tuple[type[BaseException], ...] = (RuntimeError, *self._nixl_errors)
         self._post_errors: tuple[type[BaseException], ...] = (TransportError, *self._nixl_errors)
@@ -1200,7 +1202,7 @@ class NixlDataPlane:
                     items.append(Inbound("notification", peer, data=note))
 
     def _completions(self, pending: list[tuple[Any, _Xfer]], items: list[Inbound], full: bool, guard: Any) -> None:
-        """Check ``pending`` transfers in order (under ``guard`` per check) until SCAN_AHEAD are
+        """Check ``pending`` transfers in order (under ``guard`` per check) until ``scan_ahead`` are
         still in progress (all if ``full``); completions of the finished ones go to ``items``."""
         now = time.monotonic()
         still = 0
@@ -1211,7 +1213,7 @@ class NixlDataPlane:
                     self.stats["completed" if state == "DONE" else "failed"] += len(x.tags)
             if state == "PROC":
                 still += 1
-                if not full and still >= SCAN_AHEAD:
+                if not full and still >= self.scan_ahead:
                     break
             elif state == "DONE":
                 peer = x.peer
