@@ -531,6 +531,44 @@ def test_a_driving_owner_completes_its_transfers_in_its_own_thread_while_the_pol
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_the_poller_leaves_the_transfers_to_a_caller_that_posts_and_checks_them_and_takes_over_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the owner hands writes over and a posting caller checked the in-flight transfers
+    within ``busy_poll_s`` (it does at every post), the poller's rounds do not check them (the
+    caller completes them at its next post); ``busy_poll_s`` after the caller's last check they
+    do again, so a transfer whose caller went quiet is still completed."""
+    from kvfsm.transport import nixl
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    monkeypatch.setattr(nixl, "FULL_SCAN_S", 60.0)  # (full scans check everything: none here)
+    block = 4096
+    a = NixlDataPlane("defer-a", caller_posts="always", hold_below=0, busy_poll_s=0.02)
+    b = NixlDataPlane("defer-b")
+    src = np.random.default_rng(11).integers(0, 256, 64 * block, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    try:
+        _connect(a, b, src, dst, block, lambda item: None, lambda item: None)
+        slow = _ThreadedChecks(a.agent, 60.0)  # in flight throughout
+        checked: list[str] = []
+        check = slow.check_xfer_state
+        slow.check_xfer_state = lambda h: checked.append(threading.current_thread().name) or check(h)  # type: ignore[method-assign]
+        a.agent = slow
+        me, poller = threading.current_thread().name, a._poller.name
+        for i in range(30):  # a post every 5 ms (each posts at once: hold_below=0), for 0.15 s
+            a.write(b.name, "kv", [Segment(i * block, i * block, block)], b"%d" % i, ("p", i))
+            time.sleep(0.005)
+        assert checked.count(me) >= 29 and poller not in checked, "the poller checked while the caller did"
+        deadline = time.monotonic() + 5
+        while poller not in checked and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert poller in checked, "the poller never took over from the quiet caller"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_drive_declines_after_drive_s_and_when_writes_were_handed_over_since_the_flush() -> None:
     """``drive()`` is worth it only while the owner waits: ``drive_s`` after the flush it
     declines (the owner blocks and the poller completes the transfer), and so it does once a
