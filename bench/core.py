@@ -20,10 +20,8 @@
             pages in reverse order at decode (a segment per page), their runs as a
             ``SegmentArray``; its baseline ``segments_engine_us``: the same chunks with the runs
             as a list of ``Segment``s. ``tail_us``: from the last
-            hand-over until every room's Success (``Manager.wait``); its baselines
-            ``tail_no_flush_us``: the 16-page ``send()`` case without wait()'s flush hint (nor
-            drive), and ``tail_no_drive_us`` (16 pages, both APIs): with the flush hint but no
-            ``drive`` (the poller completes the last transfers and wakes the waiter).
+            hand-over until every room's Success (``Manager.wait``); its baseline
+            ``tail_no_flush_us``: the 16-page ``send()`` case without wait()'s flush hint.
             ``generic_engine_us`` (16 pages, both APIs): the same case with the prefill
             manager's fast rows off (``kvfsm.protocol.fastpath``: every chunk and completion
             through the generic step).
@@ -317,23 +315,12 @@ class _DataEndpoint:
     def flush(self) -> None:
         self.data.flush()
 
-    def drive(self, on: bool = True) -> bool:
-        return bool(self.data.drive(on))
-
 
 class _NoFlushEndpoint(_DataEndpoint):
-    """``nixl_path``'s endpoint without the ``flush`` hint nor ``drive`` (``Manager.wait`` then
-    gives neither): a baseline of ``tail_us``."""
+    """``nixl_path``'s endpoint without the ``flush`` hint (``Manager.wait`` then gives none):
+    the baseline of ``tail_us``."""
 
     flush = None  # type: ignore[assignment]
-    drive = None  # type: ignore[assignment]
-
-
-class _NoDriveEndpoint(_DataEndpoint):
-    """``nixl_path``'s endpoint without ``drive`` (``Manager.wait`` flushes, then blocks while
-    the poller completes the transfers): a baseline of ``tail_us``."""
-
-    drive = None  # type: ignore[assignment]
 
 
 def bench_nixl_path(
@@ -343,7 +330,6 @@ def bench_nixl_path(
     chunks: int = 16,
     reps: int = 7,
     flush: bool = True,
-    drive: bool = True,
     scattered: bool = False,
     fast_rows: bool = True,
 ) -> dict[str, Any]:
@@ -370,7 +356,7 @@ def bench_nixl_path(
     plane.add_peer("d0", encode_descriptor("d0", regions, b"stub"))
     plane.set_batch_handler(p._on_inbound_batch)
     plane.set_handler(p._on_inbound)
-    p.endpoint = (_NoFlushEndpoint if not flush else _DataEndpoint if drive else _NoDriveEndpoint)(p.endpoint, plane)
+    p.endpoint = (_DataEndpoint if flush else _NoFlushEndpoint)(p.endpoint, plane)
     engine, process, transfers, tail = [], [], [], []
     for rep in range(reps):
         ids = [rep * rooms + r for r in range(rooms)]
@@ -428,9 +414,6 @@ def bench_nixl_paths(reps: int, hot_path: dict[str, Any]) -> dict[str, Any]:
                 out[f"{per}_{api}"]["generic_engine_us"] = generic["engine_us"]
     # the tail's baseline: the same case with no flush hint (the held writes wait for a poller round)
     out["16_send"]["tail_no_flush_us"] = bench_nixl_path(16, "send", reps=reps, flush=False)["tail_us"]
-    # ... and with the flush hint but no drive (the poller completes the last transfers, then wakes the waiter)
-    for api in ("send", "send_many"):
-        out[f"16_{api}"]["tail_no_drive_us"] = bench_nixl_path(16, api, reps=reps, drive=False)["tail_us"]
     # scattered chunks (a segment per page), their runs coalesced into a SegmentArray; baseline:
     # the same chunks coalesced into a list of Segments (as below COALESCE_ARRAY_MIN pages)
     from kvfsm.runtime import manager

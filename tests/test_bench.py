@@ -47,7 +47,6 @@ def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
             assert row["process_us"] >= row["engine_us"] > 0
             assert 0 < row["transfers_per_chunk"] < 0.5 and row["tail_us"] > 0
         assert nixl["16_send"]["tail_no_flush_us"] > 0
-        assert nixl["16_send"]["tail_no_drive_us"] > 0 and nixl["16_send_many"]["tail_no_drive_us"] > 0
         assert nixl["16_send"]["generic_engine_us"] > 0 and nixl["16_send_many"]["generic_engine_us"] > 0
         scattered = nixl["256_scattered_send"]  # a segment per page: arrays, and Segments as the baseline
         assert scattered["segments_engine_us"] > 0 and scattered["engine_us"] > 0

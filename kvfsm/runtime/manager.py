@@ -341,10 +341,7 @@ class Manager:
         the wait too), and so does the rank's own bookkeeping (decode's register retries).
         Woken by the transport threads as rooms change state: the blocking alternative to
         calling ``poll()`` in a loop (no CPU spent while waiting, no polling interval added to
-        a transfer's latency), except while an endpoint that offers ``drive`` (NIXL) says a
-        round of progress in this thread is worth it: writes of ours in flight, for a short
-        while (see ``NixlDataPlane.drive``). Raises LocalProtocolError for a room that does not
-        exist."""
+        a transfer's latency). Raises LocalProtocolError for a room that does not exist."""
         rooms = list(rooms)
         deadline = None if timeout is None else time.monotonic() + timeout  # real time, whatever the clock
         flush = getattr(self.endpoint, "flush", None)
@@ -352,34 +349,22 @@ class Manager:
             # the engine hands nothing over while it waits: writes held back to go together
             # go now, and their completions are looked for closely (see the endpoint's flush)
             flush()
-        # An endpoint that can be driven (``drive``: NIXL) completes the writes in flight in this
-        # thread, round after round, while it says it is worth it, instead of waking its poller
-        # and then this thread: two thread wake-ups saved at the end of every wait.
-        drive = getattr(self.endpoint, "drive", None)
-        driving = drive is not None
-        try:
+        with self._changed:
             while True:
-                with self._changed:
-                    self.tick()
-                    codes = [self.machine.kvpoll(self._get(r).room) for r in rooms]
-                    if all(c >= until or c == 0 for c in codes):
+                self.tick()
+                codes = [self.machine.kvpoll(self._get(r).room) for r in rooms]
+                if all(c >= until or c == 0 for c in codes):
+                    return codes
+                waits = []
+                if deadline is not None:
+                    waits.append(deadline - time.monotonic())
+                    if waits[0] <= 0:
                         return codes
-                    waits = []
-                    if deadline is not None:
-                        waits.append(deadline - time.monotonic())
-                        if waits[0] <= 0:
-                            return codes
-                    if not driving:
-                        now = self.clock()
-                        for nxt in (self._timers.next_deadline(), self._side_deadline()):
-                            if nxt is not None:
-                                waits.append(max(0.0, nxt - now))
-                        self._changed.wait(min(waits) if waits else None)
-                        continue
-                driving = drive()  # type: ignore[misc] # (outside the lock: it hands completions over)
-        finally:
-            if drive is not None:
-                drive(False)
+                now = self.clock()
+                for nxt in (self._timers.next_deadline(), self._side_deadline()):
+                    if nxt is not None:
+                        waits.append(max(0.0, nxt - now))
+                self._changed.wait(min(waits) if waits else None)
 
     def abort(self, room: int, reason: str = "aborted by engine") -> None:
         from kvfsm.protocol.events import Abort

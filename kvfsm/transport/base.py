@@ -265,12 +265,6 @@ class DataPlane(Protocol):
     # together posts them now, and one that polls for completions polls closely until the
     # next write (no polling interval added to the last writes' latency).
 
-    # Optional: ``drive(on: bool = True) -> bool``, after ``flush``: the owner's thread waits for
-    # its writes and offers to complete them itself. One round of progress in the caller's
-    # thread (completions handed to the handler there, inline); returns whether another round
-    # is worth it (writes still in flight, say), else the owner blocks as before.
-    # ``drive(False)``: the owner stops (its wait is over).
-
 
 def write_many(plane: Any, writes: Sequence[Write]) -> list[int | Exception]:
     """``plane.write_many(writes)`` if the data plane (or endpoint) has it, else one ``write`` at a
@@ -342,10 +336,6 @@ class SplitEndpoint:
         run = getattr(data, "write_run", None)
         if run is not None:
             self.write_run = run
-        # ... and its drive, if it has one (Manager.wait looks for it on the endpoint)
-        drive = getattr(data, "drive", None)
-        if drive is not None:
-            self.drive = drive
 
     def set_handler(self, handler: Handler) -> None:
         self.data.set_handler(handler)

@@ -51,12 +51,8 @@ then collect notifications only with each full scan (a prefill rank's poller cal
 ``get_new_notifs`` ~50 times per 256 chunks for nothing, ~10 µs each on the H200 host). When the
 owner waits for its writes (``flush``, from ``Manager.wait``) the held writes are posted at once
 and, until the next write, the poller checks the in-flight transfers every ``tail_poll_s`` (an
-eighth of the wait since the last completion, up to ``busy_poll_s``): no posting caller
-completes them then, and no engine thread needs the GIL. Better still, the waiting owner drives
-progress itself (``drive``, from ``Manager.wait``): for up to ``drive_s`` after the flush, while transfers
-of ours are in flight and no host copy is queued, its thread checks them and steps their
-completions, and the poller stands back (a hand-off between threads costs a wake-up, tens to
-hundreds of µs on a VM, twice per wait: the poller's, then the owner's). While a
+eighth of the wait since the last completion, up to ``busy_poll_s``): nobody else completes them
+then, and no engine thread needs the GIL. While a
 post waits for the agent or is inside it, it stands back (up to ``MAX_DEFER_S``), woken when the
 post ends: a timed wake-up costs tens of µs of CPU on a VM. The posting thread, back from a host
 copy, posts what callers held back meanwhile before it lets go of the agent, and ``flush`` leaves
@@ -127,8 +123,6 @@ FLUSH_BYTES = 16 << 20  # ... and bytes
 HOLD_BELOW_BYTES = 8 << 20  # ... each smaller than this: a larger one is posted at once (see _post_now)
 HOLD_LIMIT = 1  # a caller that finds the poller in a NIXL call holds up to this many times flush_jobs
 BIG_WRITE_BYTES = 32 << 20  # ... but a write this big it posts at once (it waits for the agent)
-DRIVE_S = 0.002  # an owner waiting for its writes completes them in its own thread this long at most (see drive)
-DRIVE_GRACE_S = 0.002  # ... and the poller stands back this long after each of its rounds
 
 
 def use_prepped(segments: int, blocks: int) -> bool:
@@ -361,7 +355,6 @@ class NixlDataPlane:
         flush_bytes: int = FLUSH_BYTES,
         hold_below: int = HOLD_BELOW_BYTES,
         poller_sched: str = "auto",
-        drive_s: float = DRIVE_S,
         scan_ahead: int = SCAN_AHEAD,
     ) -> None:
         if caller_posts not in CALLER_POSTS:
@@ -382,7 +375,6 @@ class NixlDataPlane:
         self.tail_poll_s = tail_poll_s
         self.hot_window_s = hot_window_s
         self.xfer_timeout_s = xfer_timeout_s
-        self.drive_s = float(drive_s)
         self.scan_ahead = max(1, int(scan_ahead))
         config = config_cls(enable_prog_thread=progress_thread, backends=[], capture_telemetry=telemetry)
         startup_errors: tuple[type[BaseException], ...] = (RuntimeError, *self._nixl_errors)
@@ -437,9 +429,7 @@ class NixlDataPlane:
         self._held_lock = threading.Lock()
         self._handed = 0  # writes and reads handed over (write_many: once), counted by _post
         self._flushed = -1  # _handed at the owner's last flush(): while equal, the owner waits (see flush)
-        self._flushed_at = 0.0  # when (monotonic): the owner drives progress for drive_s from then on
         self._checked_at = 0.0  # when a posting caller last checked the in-flight transfers (see _poll_loop)
-        self._driven = 0.0  # the poller stands back until then (monotonic): the owner drives (see drive)
         # flush() wakes a poller sleeping between rounds by releasing this lock, which the poller's
         # sleep tries to take (a bare lock: an Event's wait costs the poller more Python per round)
         self._hurry = threading.Lock()
@@ -479,7 +469,6 @@ class NixlDataPlane:
         posting caller completes them meanwhile nor needs the GIL."""
         with self._held_lock:
             self._flushed = self._handed
-            self._flushed_at = time.monotonic()
             jobs = None
             # While the posting thread copies host memory (the whole copy, inside the post) the
             # writes stay held: it posts them itself when that post ends (``_submit``), before
@@ -491,46 +480,6 @@ class NixlDataPlane:
         if jobs:
             self._post_locked(jobs)
         self._hurry_poller()
-
-    def drive(self, on: bool = True) -> bool:
-        """The owner's offer (``Manager.wait``, after ``flush``): its thread waits for its writes
-        and would rather complete them itself than be woken by the poller. One round of progress
-        in the caller's thread: the oldest in-flight transfers are checked, and the completions
-        of those found done handed to the handler here, inline; the poller stands back meanwhile
-        (``DRIVE_GRACE_S`` after each round). Returns whether another round is worth it: a
-        transfer of ours in flight, no host copy queued or under way (the posting thread
-        completes those, and a spinning caller would take a CPU from the copy), and less than
-        ``drive_s`` since the flush. False: the owner blocks, and the poller takes over at once.
-        ``drive(False)``: the owner stops (its wait is over); the poller takes over at once.
-        Why: a hand-off between threads costs a wake-up, tens to hundreds of µs on a VM, twice
-        at the end of every wait (the poller woken to complete the last transfer, then the
-        owner to see its rooms done); raw NIXL's own loop spins on the transfer's state."""
-        now = time.monotonic()
-        if (
-            not on
-            or self._closed
-            or not self._inflight
-            or self._jobs
-            or self._posting
-            or now - self._flushed_at > self.drive_s
-            or self._handed != self._flushed
-        ):
-            if self._driven:
-                self._driven = 0.0
-                self._hurry_poller()
-            return False
-        self._driven = now + DRIVE_GRACE_S
-        items: list[Inbound] = []
-        try:
-            self._progress(items, False)
-        except Exception:  # noqa: BLE001 - as the poller: nothing raises out of progress
-            log.exception("%s: NIXL progress failed", self.name)
-        self._hand_over(items)
-        if self._inflight:
-            return True
-        self._driven = 0.0  # all done: the poller takes over at once
-        self._hurry_poller()
-        return False
 
     def _hurry_poller(self) -> None:
         """End the poller's sleep between rounds now (or its next one, if it is not asleep)."""
@@ -1071,11 +1020,6 @@ class NixlDataPlane:
             if self._closed:
                 return
             now = time.monotonic()
-            if self._driven > now:
-                # the owner's thread completes its writes itself (drive): stand back until it
-                # stops, or until DRIVE_GRACE_S after its last round
-                self._hurry.acquire(True, self._driven - now)
-                continue
             if self._posting and now - last_round < MAX_DEFER_S:
                 # a post waits for the agent or is inside it (on host memory: copying): let it
                 # go first, woken when it ends rather than every busy_poll_s (a wake-up costs

@@ -483,54 +483,6 @@ class _ThreadedChecks(_SlowAgent):
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
-def test_a_driving_owner_completes_its_transfers_in_its_own_thread_while_the_poller_stands_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """After ``flush()``, ``drive()`` is one round of progress in the caller's thread: the
-    caller finds its transfer done and gets its completion there, round after round until none
-    is in flight (then False); the poller, woken every ``tail_poll_s`` otherwise, stands back
-    meanwhile and takes over at once when the owner stops."""
-    from kvfsm.transport import nixl
-    from kvfsm.transport.nixl import NixlDataPlane
-
-    monkeypatch.setattr(nixl, "DRIVE_GRACE_S", 30.0)  # (a stalled test thread must not let the poller in)
-    block = 4096
-    a = NixlDataPlane("drive-a", caller_posts="always", tail_poll_s=0.0005, drive_s=30.0)
-    b = NixlDataPlane("drive-b")
-    src = np.random.default_rng(9).integers(0, 256, 2 * block, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    threads: list[str] = []
-    try:
-        _connect(a, b, src, dst, block, lambda item: threads.append(threading.current_thread().name), lambda i: None)
-        slow = _ThreadedChecks(a.agent, 0.2)
-        a.agent = slow
-        assert a.drive() is False and a._driven == 0.0  # nothing in flight: nothing to drive
-        a.write(b.name, "kv", [Segment(0, 0, block)], b"0", ("d", 0))
-        a.flush()
-        rounds = 0
-        while a.drive():
-            rounds += 1
-            assert a._driven > time.monotonic(), "the poller may come back while the owner drives"
-        me = threading.current_thread().name
-        assert rounds > 1 and threads == [me] and slow.done_by == [me]
-        assert a._driven == 0.0  # nothing left: the poller takes over at once
-        a.drive(False)  # the owner stops: harmless when it stopped already
-        # an owner that stops driving with a transfer in flight leaves it to the poller
-        a.write(b.name, "kv", [Segment(block, block, block)], b"1", ("d", 1))
-        a.flush()
-        assert a.drive() is True and a._driven > 0
-        a.drive(False)
-        assert a._driven == 0.0
-        deadline = time.monotonic() + 10
-        while len(threads) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert threads[1:] == [a._poller.name] and slow.done_by[1:] == [a._poller.name]
-    finally:
-        a.close()
-        b.close()
-
-
-@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_the_poller_leaves_the_transfers_to_a_caller_that_posts_and_checks_them_and_takes_over_after(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -563,39 +515,6 @@ def test_the_poller_leaves_the_transfers_to_a_caller_that_posts_and_checks_them_
         while poller not in checked and time.monotonic() < deadline:
             time.sleep(0.005)
         assert poller in checked, "the poller never took over from the quiet caller"
-    finally:
-        a.close()
-        b.close()
-
-
-@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
-def test_drive_declines_after_drive_s_and_when_writes_were_handed_over_since_the_flush() -> None:
-    """``drive()`` is worth it only while the owner waits: ``drive_s`` after the flush it
-    declines (the owner blocks and the poller completes the transfer), and so it does once a
-    write was handed over after the flush (the owner is handing over again, not waiting)."""
-    from kvfsm.transport.nixl import NixlDataPlane
-
-    block = 4096
-    a = NixlDataPlane("decline-a", caller_posts="always", tail_poll_s=0.0005, drive_s=0.05)
-    b = NixlDataPlane("decline-b")
-    src = np.random.default_rng(10).integers(0, 256, 3 * block, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    completions, done, on_a = _counting(3)
-    try:
-        _connect(a, b, src, dst, block, on_a, lambda item: None)
-        a.agent = _SlowAgent(a.agent, 0.3)
-        a.write(b.name, "kv", [Segment(0, 0, block)], b"0", ("e", 0))
-        a.flush()
-        assert a.drive() is True
-        time.sleep(0.06)
-        assert a.drive() is False and a._driven == 0.0  # drive_s is over
-        a.flush()
-        assert a.drive() is True
-        a.write(b.name, "kv", [Segment(block, block, block)], b"1", ("e", 1))
-        assert a.drive() is False and a._driven == 0.0  # handed over since the flush
-        a.write(b.name, "kv", [Segment(2 * block, 2 * block, block)], b"2", ("e", 2))
-        assert done.wait(10), "the poller completes what the owner left"
-        assert sorted(c.tag for c in completions) == [("e", 0), ("e", 1), ("e", 2)]
     finally:
         a.close()
         b.close()

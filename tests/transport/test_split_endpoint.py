@@ -1,6 +1,5 @@
 """``SplitEndpoint`` passes the data plane's optional hints on (``expect_traffic``, ``flush``,
-``set_batch_handler``, ``drive``) to a data plane that offers them and leaves one without them
-alone."""
+``set_batch_handler``) to a data plane that offers them and leaves one without them alone."""
 
 from __future__ import annotations
 
@@ -38,10 +37,6 @@ class _HintedData(_BareData):
     def set_batch_handler(self, batch: Any) -> None:
         self.calls.append(("set_batch_handler", batch))
 
-    def drive(self, on: bool = True) -> bool:
-        self.calls.append(("drive", on))
-        return on
-
 
 def test_the_optional_hints_reach_a_data_plane_that_offers_them() -> None:
     data = _HintedData()
@@ -50,15 +45,7 @@ def test_the_optional_hints_reach_a_data_plane_that_offers_them() -> None:
     ep.flush()
     ep.set_batch_handler(print)
     ep.flush()
-    assert ep.drive() is True and ep.drive(False) is False  # type: ignore[attr-defined]
-    assert data.calls == [
-        ("expect_traffic", False),
-        ("flush", None),
-        ("set_batch_handler", print),
-        ("flush", None),
-        ("drive", True),
-        ("drive", False),
-    ]
+    assert data.calls == [("expect_traffic", False), ("flush", None), ("set_batch_handler", print), ("flush", None)]
 
 
 def test_a_data_plane_without_the_hints_is_left_alone() -> None:
@@ -66,4 +53,3 @@ def test_a_data_plane_without_the_hints_is_left_alone() -> None:
     ep.expect_traffic(True)
     ep.flush()
     ep.set_batch_handler(print)  # none of them raises
-    assert not hasattr(ep, "drive")  # (Manager.wait then blocks as it always did)
