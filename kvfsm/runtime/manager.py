@@ -173,21 +173,26 @@ def as_pages(pages: Any) -> Pages:
 
 def _list_run(pages: list[Any] | tuple[Any, ...]) -> PageRun | None:
     """A list or tuple that is one ascending run of pages >= 0, as a PageRun, else None (the
-    general path checks and converts it). Checked in C: ``array('q', ...)`` converts every item
-    as an integer (a float, string or None raises TypeError) and its bytes are compared with the
-    run's (``run_bytes``). The first two items must be exact ints: in an ascending run from >= 0
-    only they can equal 0 or 1, so no bool (which converts as 0 or 1) passes for a page."""
-    first, second, n = pages[0], pages[1], len(pages)
+    general path checks and converts it); see ``_is_list_run``."""
+    return PageRun(pages[0], len(pages)) if _is_list_run(pages) else None
+
+
+def _is_list_run(pages: list[Any] | tuple[Any, ...]) -> bool:
+    """Is a list or tuple of at least two items one ascending run of pages >= 0? Checked in C:
+    ``array('q', ...)`` converts every item as an integer (a float, string or None raises
+    TypeError) and its bytes are compared with the run's (``run_bytes``). The first two items
+    must be exact ints: in an ascending run from >= 0 only they can equal 0 or 1, so no bool
+    (which converts as 0 or 1) passes for a page."""
+    first, second = pages[0], pages[1]
     if type(first) is not int or type(second) is not int or first < 0 or second != first + 1:
-        return None
-    want = run_bytes(first, n)
+        return False
+    want = run_bytes(first, len(pages))
     if want is None:
-        return None
+        return False
     try:
-        got = array("q", pages).tobytes()
+        return array("q", pages).tobytes() == want
     except (TypeError, OverflowError):
-        return None
-    return PageRun(first, n) if got == want else None
+        return False
 
 
 def _array_run(pages: Any) -> Pages | None:

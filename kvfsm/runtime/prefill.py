@@ -22,7 +22,7 @@ from kvfsm.protocol.events import (
 from kvfsm.protocol.pages import Pages
 from kvfsm.protocol.rooms import PrefillRoom
 from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
-from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, _list_run, as_index, as_pages, coalesce, log
+from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, _is_list_run, as_index, as_pages, coalesce, log
 from kvfsm.transport.base import Segment, SegmentArray, Write, write_many
 
 _LENGTH = attrgetter("length")  # of a Segment (map in C: one write has one segment, mostly)
@@ -172,7 +172,7 @@ class PrefillManager(Manager):
         nothing done, where it does not apply (pages in any other form, the fast rows off,
         events queued, or ``run_chunk`` refusing the chunk): the caller then takes the usual
         path (which also raises for a misuse)."""
-        if type(pages) is not list or len(pages) < 2 or _list_run(pages) is None:
+        if type(pages) is not list or len(pages) < 2 or not _is_list_run(pages):
             return False  # (one ascending run of ints, checked in C)
         first, n = pages[0], len(pages)
         with self._lock:
@@ -225,7 +225,19 @@ class PrefillManager(Manager):
         post them: with no transfer workers and no send_many() under way, handed straight to the
         endpoint's ``write_run`` if it has one (what ``_hand`` and ``_write`` would do, inline),
         else through ``_hand``."""
-        write_run = None if self._batch is not None or self.pool.size else getattr(self.endpoint, "write_run", None)
+        batch = self._batch
+        if batch is not None and region == "kv":  # send_many: as _hand batches a KV write, inline
+            rt.bytes += length
+            rt.descriptors += 1
+            self.telemetry.count2("writes_posted", 1, "descriptors", 1)
+            batch.append((self._peer_names.get(tag[1]), region, [Segment(src, dst, length)], note, tag))  # type: ignore[arg-type]
+            self._batch_bytes += length
+            self._batch_segments += 1
+            if self._batch_bytes >= self.config.batch_bytes or self._batch_segments >= self.config.batch_segments:
+                self._batch, self._batch_bytes, self._batch_segments = [], 0, 0
+                self._hand_batch(batch)
+            return
+        write_run = None if batch is not None or self.pool.size else getattr(self.endpoint, "write_run", None)
         if write_run is None:
             self._hand(rt, tag, region, [Segment(src, dst, length)], note)
             return

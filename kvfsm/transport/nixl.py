@@ -601,16 +601,25 @@ class NixlDataPlane:
         mine: list[_Job] = []
         queued: list[_Job] = []
         largest = 0
+        caller_posts = self._caller_posts
+        run_job = self._run_job
         for peer, region, segments, note, tag in writes:
-            try:
-                job = self._job("WRITE", peer, region, segments, note, tag)
-            except Exception as exc:  # noqa: BLE001 - as write() would raise it, for this write alone
-                out.append(exc)
-                continue
-            out.append(job.total)
-            if self._caller_posts(job):
+            job = None
+            if len(segments) == 1:  # the usual write (as _job takes it first)
+                s = segments[0]
+                job = run_job(peer, region, s.src, s.dst, s.length, note, tag)
+            if job is None:
+                try:
+                    job = self._job("WRITE", peer, region, segments, note, tag)
+                except Exception as exc:  # noqa: BLE001 - as write() would raise it, for this write alone
+                    out.append(exc)
+                    continue
+            total = job.total
+            out.append(total)
+            if caller_posts(job):
                 mine.append(job)
-                largest = max(largest, job.total)
+                if total > largest:
+                    largest = total
             else:
                 queued.append(job)
         if queued:
