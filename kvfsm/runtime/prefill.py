@@ -185,14 +185,7 @@ class PrefillManager(Manager):
             if got is None:
                 return False
             chunk_id, dest, dst_first, start, cancelled, dst_slot = got
-            now = self.clock()
-            if room.state != before:  # the first chunk (into Sending), or the last (Draining)
-                self._state_changed(rt, before, now)
-            if cancelled:
-                self._timers.cancel(rid, fastpath.INPUT)
-            self._timers.set(rid, fastpath.TIMER, now + self._transfer_s)
-            if rt.started is None:
-                rt.started = now
+            self._row_taken(rt, before, cancelled)
             self._draining = self._fast_posting = True  # as _chunk_posted: completions meanwhile
             try:
                 page = self.page_bytes
@@ -223,28 +216,21 @@ class PrefillManager(Manager):
     ) -> None:
         """``_send_run``'s writes (one segment each, byte offsets), as ``_post_kv`` and ``_post``
         post them: with no transfer workers and no send_many() under way, handed straight to the
-        endpoint's ``write_run`` if it has one (what ``_hand`` and ``_write`` would do, inline),
-        else through ``_hand``."""
-        batch = self._batch
-        if batch is not None and region == "kv":  # send_many: as _hand batches a KV write, inline
-            rt.bytes += length
-            rt.descriptors += 1
-            self.telemetry.count2("writes_posted", 1, "descriptors", 1)
-            batch.append((self._peer_names.get(tag[1]), region, [Segment(src, dst, length)], note, tag))  # type: ignore[arg-type]
-            self._batch_bytes += length
-            self._batch_segments += 1
-            if self._batch_bytes >= self.config.batch_bytes or self._batch_segments >= self.config.batch_segments:
-                self._batch, self._batch_bytes, self._batch_segments = [], 0, 0
-                self._hand_batch(batch)
-            return
-        write_run = None if batch is not None or self.pool.size else getattr(self.endpoint, "write_run", None)
-        if write_run is None:
+        endpoint's ``write_run`` if it has one (what ``_hand`` and ``_write`` would do, inline);
+        a send_many()'s KV write added to its batch (as ``_hand`` adds it); else through
+        ``_hand``."""
+        batched = self._batch is not None
+        write_run = None if batched or self.pool.size else getattr(self.endpoint, "write_run", None)
+        if write_run is None and not (batched and region == "kv"):
             self._hand(rt, tag, region, [Segment(src, dst, length)], note)
             return
         rt.bytes += length
         rt.descriptors += 1
         self.telemetry.count2("writes_posted", 1, "descriptors", 1)
         peer = self._peer_names.get(tag[1])  # the route as it is now, when posted
+        if write_run is None:  # send_many: the KV write joins the batch (as _hand adds it)
+            self._batch_kv((peer, region, [Segment(src, dst, length)], note, tag), length, 1)  # type: ignore[arg-type]
+            return
         try:
             if peer is None:
                 raise LocalProtocolError(f"no route to decode rank {tag[1]}")
@@ -254,14 +240,11 @@ class PrefillManager(Manager):
             return
         self.telemetry.count("bytes_written", moved)
 
-    def _chunk_posted(self, rt: RoomRuntime, pages: Pages, done: fastpath.ChunkPosts, before: str) -> None:
-        """Carry out row P11's or P10's actions as ``_step`` would: the room's change of state
-        (from ``before``), then cancel the input timer, arm the transfer timer, post the writes
-        (each rank's aux write after its KV, with the last chunk); events raised meanwhile (a
-        write that fails at once) are stepped afterwards, as ``_local`` does. (The timers go
-        first: a completion handed over during the posts then re-arms the timer after the row
-        did, as it would after the step.)"""
-        chunk_id, note, writes, cancelled, aux = done
+    def _row_taken(self, rt: RoomRuntime, before: str, cancelled: bool) -> None:
+        """What row P11 or P10 (taken directly) leaves to the runtime before the writes: the
+        room's change of state from ``before`` (the first chunk into Sending, the last into
+        Draining), the input timer cancelled if it was armed, the transfer timer armed, the
+        transfer's start."""
         now = self.clock()
         rid = rt.room.room
         if rt.room.state != before:
@@ -271,6 +254,16 @@ class PrefillManager(Manager):
         self._timers.set(rid, fastpath.TIMER, now + self._transfer_s)
         if rt.started is None:
             rt.started = now
+
+    def _chunk_posted(self, rt: RoomRuntime, pages: Pages, done: fastpath.ChunkPosts, before: str) -> None:
+        """Carry out row P11's or P10's actions as ``_step`` would: the room's change of state
+        (from ``before``), then cancel the input timer, arm the transfer timer, post the writes
+        (each rank's aux write after its KV, with the last chunk); events raised meanwhile (a
+        write that fails at once) are stepped afterwards, as ``_local`` does. (The timers go
+        first: a completion handed over during the posts then re-arms the timer after the row
+        did, as it would after the step.)"""
+        chunk_id, note, writes, cancelled, aux = done
+        self._row_taken(rt, before, cancelled)
         self._draining = self._fast_posting = True
         try:
             for i, (dest, dst, contiguous) in enumerate(writes):
@@ -487,14 +480,21 @@ class PrefillManager(Manager):
                 # each would go as a transfer of its own where the KV is in VRAM and aux in DRAM
                 self._batch_aux.append((peer, region, segments, note, tag))  # type: ignore[arg-type]
                 return
-            self._batch.append((peer, region, segments, note, tag))  # type: ignore[arg-type]
-            self._batch_bytes += moved
-            self._batch_segments += len(segments)
-            if self._batch_bytes >= self.config.batch_bytes or self._batch_segments >= self.config.batch_segments:
-                batch, self._batch, self._batch_bytes, self._batch_segments = self._batch, [], 0, 0
-                self._hand_batch(batch)
+            self._batch_kv((peer, region, segments, note, tag), moved, nseg)  # type: ignore[arg-type]
             return
         self.pool.submit(tag[0], self._write, (peer, region, segments, note, tag), self._write_failed)
+
+    def _batch_kv(self, write: Write, moved: int, nseg: int) -> None:
+        """A KV write of a send_many() joins its batch, which is handed over whenever
+        ``batch_bytes`` or ``batch_segments`` are pending."""
+        batch = self._batch
+        assert batch is not None  # (a send_many() is under way)
+        batch.append(write)
+        self._batch_bytes += moved
+        self._batch_segments += nseg
+        if self._batch_bytes >= self.config.batch_bytes or self._batch_segments >= self.config.batch_segments:
+            self._batch, self._batch_bytes, self._batch_segments = [], 0, 0
+            self._hand_batch(batch)
 
     def _hand_batch(self, batch: list[Write]) -> None:
         """The writes of a send_many(): one transfer job per worker shard (a room's writes stay on
