@@ -44,7 +44,10 @@ Figures are GB/s (1e9 bytes moved once per second), the median of ``--reps`` (9)
 raw. ``*_post_seconds`` is the time spent inside NIXL's post over all
 repetitions (on CPU memory UCX copies the bytes there); ``kvfsm_send_seconds`` the median time
 the engine spent handing chunks over, ``kvfsm_send_cpu_seconds`` its thread's CPU time meanwhile
-(equal: the engine thread is CPU-bound; less: it waited for locks or the GIL).
+(equal: the engine thread is CPU-bound; less: it waited for locks or the GIL);
+``kvfsm_descriptors_per_chunk`` the descriptors of the writes handed over per chunk, and
+``kvfsm_posted_descriptors_per_chunk`` those NIXL was given (fewer: a folded transfer's adjacent
+writes go as one descriptor).
 ``--profile`` adds, per case, the CPU seconds of every thread of both processes over the timed
 windows (decode's: from its announcement to Success) and the calls and wall seconds of each
 initiator NIXL method per thread (the wrapper costs ~1 µs per call: compare profiles with
@@ -647,15 +650,16 @@ class _KvfsmCase:
         self.times: list[float] = []
         self.handing: list[float] = []
         self.cpu: list[float] = []
-        self.descriptors = self.post_ns = self.transfers = 0
+        self.descriptors = self.post_ns = self.transfers = self.posted = 0
         self.gc_collections = [0, 0, 0]
         self.gc_seconds = 0.0
         self.calls: dict[str, list[float]] = {}
         self.threads: dict[str, float] = {}  # --profile: CPU seconds per thread in the timed windows
 
-    def _counters(self) -> tuple[int, int, int]:
+    def _counters(self) -> tuple[int, int, int, int]:
         stats = self.ep.data.stats
-        return self.mgr.stats()["counters"].get("descriptors", 0), stats["post_ns"], stats["transfers"]
+        descriptors = self.mgr.stats()["counters"].get("descriptors", 0)
+        return descriptors, stats["post_ns"], stats["transfers"], stats["descriptors"]
 
     def rep(self) -> None:
         from kvfsm.protocol import KVPoll
@@ -694,6 +698,7 @@ class _KvfsmCase:
         self.descriptors += after[0] - before[0]
         self.post_ns += after[1] - before[1]
         self.transfers += after[2] - before[2]
+        self.posted += after[3] - before[3]
         # the interpreter's garbage collections meanwhile (the untimed parts too)
         gc = GC.since(gc0)
         self.gc_collections = [a + b for a, b in zip(self.gc_collections, gc["collections"], strict=True)]
@@ -715,6 +720,8 @@ class _KvfsmCase:
         case[f"{pre}_post_seconds"] = self.post_ns / 1e9
         case[f"{pre}_descriptors_per_chunk"] = self.descriptors / (reps * rooms * chunks)
         case[f"{pre}_transfers"] = self.transfers  # NIXL transfers, all repetitions
+        # ... and their descriptors per chunk (adjacent byte ranges of one transfer merged)
+        case[f"{pre}_posted_descriptors_per_chunk"] = self.posted / (reps * rooms * chunks)
         # all repetitions, the untimed parts too
         case[f"{pre}_gc"] = {"collections": self.gc_collections, "seconds": self.gc_seconds}
         if self.kv.profile:

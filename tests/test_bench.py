@@ -89,6 +89,8 @@ def test_transfer_bench_quick_run_writes_json(tmp_path: Path) -> None:
             assert per_chunk <= c[f"{pre}_descriptors_per_chunk"] <= per_chunk + 1
             # raw NIXL posts the same descriptors, the aux slots included
             assert c["raw_descriptors_per_chunk"] == c[f"{pre}_descriptors_per_chunk"]
+            # NIXL got at most those (a folded transfer's adjacent writes merged)
+            assert 0 < c[f"{pre}_posted_descriptors_per_chunk"] <= c[f"{pre}_descriptors_per_chunk"]
         rooms, chunks = c["plan"]
         # host memory: each room's aux slot rides in its last chunk's transfer; scattered chunks
         # (block indices) cannot share one with it

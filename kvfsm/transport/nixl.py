@@ -334,6 +334,36 @@ def fold(jobs: Sequence[_Job]) -> list[list[_Job]]:
     return groups
 
 
+def merge_rows(
+    lrows: Sequence[tuple[int, int, int]], rrows: Sequence[tuple[int, int, int]]
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """One transfer's byte ranges (local and remote rows, pairwise) with every pair that starts,
+    on both sides and on the same devices, where an earlier pair ends merged into that one: one
+    descriptor instead of two (NIXL's post costs per descriptor: ~4 µs on the H200 pair's GPUs).
+    A room's consecutive chunks are often adjacent in both KV caches, and folding puts them into
+    one transfer when they are handed over faster than they move. The first pair of a run keeps
+    its place; the bytes each descriptor covers are the same, so the data moved are the same (a
+    transfer's descriptors have no order). ~0.2 µs per row here."""
+    out_l: list[tuple[int, int, int]] = []
+    out_r: list[tuple[int, int, int]] = []
+    ends: dict[int, int] = {}  # local end -> its row (the remote side checked on a match)
+    for (la, n, ld), (ra, _, rd) in zip(lrows, rrows, strict=True):
+        i = ends.pop(la, None)
+        if i is not None:
+            a, m, d = out_l[i]
+            b, _, e = out_r[i]
+            if b + m == ra and d == ld and e == rd:
+                m += n
+                out_l[i] = (a, m, d)
+                out_r[i] = (b, m, e)
+                ends[la + n] = i
+                continue
+        ends[la + n] = len(out_l)
+        out_l.append((la, n, ld))
+        out_r.append((ra, n, rd))
+    return out_l, out_r
+
+
 class NixlDataPlane:
     """A ``DataPlane`` on one NIXL agent (see the module docstring)."""
 
@@ -994,6 +1024,8 @@ class NixlDataPlane:
             else:
                 lrows = [r for j in group for r in j.lrows]
                 rrows = [r for j in group for r in j.rrows]
+                if len(lrows) > 1:
+                    lrows, rrows = merge_rows(lrows, rrows)
                 ldescs = self.agent.get_xfer_descs(lrows, first.mems[0])
                 rdescs = self.agent.get_xfer_descs(rrows, first.mems[1])
                 if ldescs is None or rdescs is None:  # NIXL logs and returns None on bad input

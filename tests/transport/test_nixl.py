@@ -71,6 +71,50 @@ def test_fold_groups_by_key_keeps_each_keys_order_and_respects_the_limits() -> N
     assert [[j.tag for j in g] for g in fold([big[0], *small, big[1]])] == [[0, "s1", "s2"], [1]]
 
 
+def _byte_map(lrows: list[tuple[int, int, int]], rrows: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Every (local device, local byte, remote device, remote byte) the rows move, sorted."""
+    return sorted(
+        (ld, la + k, rd, ra + k) for (la, n, ld), (ra, _, rd) in zip(lrows, rrows, strict=True) for k in range(n)
+    )
+
+
+def test_merge_rows_joins_each_pair_that_continues_an_earlier_one_on_both_sides() -> None:
+    from kvfsm.transport.nixl import merge_rows
+
+    # 16 rooms x 4 chunks handed over chunk after chunk (every room's chunk 0, then every room's
+    # chunk 1 ...), a room's chunks adjacent at both ends: one descriptor per room
+    rooms, chunks, size = 16, 4, 1 << 20
+    order = [(r, c) for c in range(chunks) for r in range(rooms)]
+    lrows = [(0x1000 + (r * chunks + c) * size, size, 0) for r, c in order]
+    rrows = [(0x9000 + (r * chunks + c) * size, size, 1) for r, c in order]
+    ml, mr = merge_rows(lrows, rrows)
+    assert ml == [(0x1000 + r * chunks * size, chunks * size, 0) for r in range(rooms)]
+    assert mr == [(0x9000 + r * chunks * size, chunks * size, 1) for r in range(rooms)]
+    # left apart: adjacent on one side only, on another device, a pair before the one it continues
+    lrows = [(0, 4, 0), (4, 4, 0), (8, 4, 0), (12, 4, 1), (20, 4, 0), (16, 4, 0)]
+    rrows = [(100, 4, 0), (104, 4, 0), (200, 4, 0), (112, 4, 0), (124, 4, 0), (120, 4, 0)]
+    ml, mr = merge_rows(lrows, rrows)
+    assert ml == [(0, 8, 0), (8, 4, 0), (12, 4, 1), (20, 4, 0), (16, 4, 0)]
+    assert mr == [(100, 8, 0), (200, 4, 0), (112, 4, 0), (124, 4, 0), (120, 4, 0)]
+    # random disjoint pairs: the same bytes move between the same places, and no pair is left
+    # that starts where an earlier one ends on both sides
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        n = int(rng.integers(1, 24))
+        lblocks = rng.permutation(32)[:n].tolist()
+        rblocks = rng.permutation(32)[:n].tolist()
+        devs = rng.integers(0, 2, size=(n, 2)).tolist()
+        lrows = [(b * 4, 4, d[0]) for b, d in zip(lblocks, devs, strict=True)]
+        rrows = [(b * 4, 4, d[1]) for b, d in zip(rblocks, devs, strict=True)]
+        ml, mr = merge_rows(lrows, rrows)
+        assert _byte_map(ml, mr) == _byte_map(lrows, rrows)
+        assert len(ml) <= n
+        for i in range(len(ml)):
+            for j in range(i + 1, len(ml)):
+                joins = ml[j][0] == ml[i][0] + ml[i][1] and mr[j][0] == mr[i][0] + mr[i][1]
+                assert not (joins and ml[j][2] == ml[i][2] and mr[j][2] == mr[i][2]), (lrows, rrows)
+
+
 def _connect(a: Any, b: Any, src: np.ndarray, dst: np.ndarray, block: int, on_a: Any, on_b: Any) -> None:
     """Two NIXL data planes that know each other: ``src`` registered on ``a``, ``dst`` on ``b``."""
     a.set_handler(on_a)
@@ -135,6 +179,8 @@ def test_queued_writes_fold_into_fewer_transfers_yet_notify_and_complete_one_by_
         assert all(c.ok for c in completions)
         assert (dst == src).all()
         assert a.stats["writes"] == n and a.stats["transfers"] < n  # folded
+        # adjacent at both ends, a transfer's writes are one descriptor (merge_rows)
+        assert a.stats["descriptors"] == a.stats["transfers"]
     finally:
         a.close()
         b.close()
