@@ -934,15 +934,17 @@ def run(
     ]
     for p in procs:
         p.start()
+    reported = False
     try:
-        if not parent.poll(600):
-            raise TimeoutError("bench/transfer.py: the initiator reported nothing within 600 s")
-        measured: list[dict[str, Any]] = parent.recv()
+        measured = _report(parent, procs, REPORT_LIMIT_S)
+        reported = True
     finally:
         for p in procs:
-            p.join(timeout=30)
+            if reported:  # a process that failed leaves the other waiting for it: no joining then
+                p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
         server.close()
     for c in measured:
         moved = c["size"] * c["plan"][0] * c["plan"][1]
@@ -963,6 +965,29 @@ def run(
             f["cpu_us_per_chunk"] = f["cpu_seconds"] / c["transfers"] * 1e6
             f["transfers_per_chunk"] = f["transfers"] / c["transfers"]
     return measured
+
+
+REPORT_LIMIT_S = 600.0  # the longest the driver waits for the initiator's cases
+
+
+def _report(parent: Any, procs: list[Any], limit: float) -> list[dict[str, Any]]:
+    """The initiator's measured cases, once it sends them. A process that exits first (its
+    traceback on stderr: a device that does not exist, a kvfsm that fails to start) ends the
+    wait at once, not after ``limit`` seconds; so does the target exiting with an error code
+    (it exits with 0 after the initiator's last repetition, before the initiator reports)."""
+    deadline = time.monotonic() + limit
+    while not parent.poll(0.2):
+        for name, p in zip(("initiator", "target"), procs, strict=True):
+            failed = p.exitcode is not None and (name == "initiator" or p.exitcode != 0)
+            if failed and not parent.poll(0):
+                raise RuntimeError(
+                    f"bench/transfer.py: the {name} process exited with code {p.exitcode} before the "
+                    "initiator reported its cases (its traceback is above)"
+                )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench/transfer.py: the initiator reported nothing within {limit:.0f} s")
+    cases_: list[dict[str, Any]] = parent.recv()
+    return cases_
 
 
 RATIO = {"send": "ratio", "send_many": "ratio_many"}  # kvfsm / raw, per engine API

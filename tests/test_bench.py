@@ -100,6 +100,22 @@ def test_transfer_bench_quick_run_writes_json(tmp_path: Path) -> None:
     assert set(goal["worst_ratio_ge_1MiB"]) == {"send", "send_many"}
 
 
+def test_transfer_bench_stops_at_once_when_a_process_fails(tmp_path: Path) -> None:
+    """A process that dies (here the initiator, on a device that does not exist) ends the run
+    with an error naming it, rather than leaving the driver and the other process waiting for
+    the report (up to 600 s)."""
+    from kvfsm.transport.nixl import nixl_available
+
+    if (why := nixl_available()) is not None:
+        pytest.skip(f"NIXL: {why}")
+    argv = ["--quick", "--sizes", "64", "--layouts", "contig", "--device", "nope", "--target-device", "cpu"]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer.py"), *argv, "--out", str(tmp_path / "t.json")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert "the initiator process exited with code 1 before the initiator reported" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_transfer_bench_profile_reports_threads_and_nixl_calls(tmp_path: Path) -> None:
     from kvfsm.transport.nixl import nixl_available
 
