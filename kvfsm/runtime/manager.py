@@ -630,11 +630,7 @@ class Manager:
     def _handle_inbound(self, item: Inbound) -> None:
         """One inbound item, the lock held. Never raises."""
         if item.kind == "completions":  # the most frequent kind on prefill (NIXL: a transfer's writes)
-            for tag in item.tag:  # type: ignore[attr-defined]
-                try:
-                    self._on_completion(tag, True, "")  # (it runs the event queue: _dispatch)
-                except Exception:  # noqa: BLE001 - as below, and the item's other writes still complete
-                    self._internal_error(item)
+            self._on_completions(item)
             return
         try:
             if item.kind == "completion":
@@ -675,6 +671,16 @@ class Manager:
 
     def _on_message(self, peer: str, kind: str, msg: Message) -> None:
         raise NotImplementedError
+
+    def _on_completions(self, item: Inbound) -> None:
+        """A transfer's writes (``item.tag``, their tags), all completed: each as
+        ``_on_completion(tag, True, "")`` takes it. One that raises is counted and logged, and
+        the others still complete. The lock held."""
+        for tag in item.tag:  # type: ignore[attr-defined]
+            try:
+                self._on_completion(tag, True, "")  # (it runs the event queue: _dispatch)
+            except Exception:  # noqa: BLE001 - as _handle_inbound, and the item's other writes still complete
+                self._internal_error(item)
 
     def _on_completion(self, tag: object, ok: bool, reason: str) -> None:
         """Our write ``tag`` completed (``ok``) or failed (``reason``). The lock held."""
