@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfsm.runtime.manager import COALESCE_ARRAY_MIN, coalesce
+from kvfsm.runtime.manager import COALESCE_ARRAY_MIN, as_pages, coalesce
 from kvfsm.transport.base import Segment, SegmentArray, TransportError, check_segments
 from kvfsm.transport.nixl import nixl_available
 
@@ -69,6 +69,9 @@ def _page_pairs(draw: st.DrawFn) -> tuple[list[int], list[int]]:
     for _ in range(2):
         pages: list[int] = []
         want = draw(st.integers(1, 3 * COALESCE_ARRAY_MIN))
+        if draw(st.booleans()):  # one run on this side (the engine's side, as often as not)
+            start = draw(st.integers(0, 5000))
+            pages = list(range(start, start + want))
         while len(pages) < want:
             start, n = draw(st.integers(0, 5000)), draw(st.integers(1, 9))
             pages += range(start, start + n)
@@ -80,10 +83,11 @@ def _page_pairs(draw: st.DrawFn) -> tuple[list[int], list[int]]:
 @given(_page_pairs(), st.sampled_from([1, 64, 4096]))
 def test_coalesce_gives_the_maximal_runs_whatever_its_form(pairs: tuple[list[int], list[int]], page: int) -> None:
     src, dst = pairs
-    got = coalesce(tuple(src), tuple(dst), page)
-    assert list(got) == _runs(src, dst, page)
-    one_run = len(got) == 1
-    assert isinstance(got, SegmentArray) == (len(src) >= COALESCE_ARRAY_MIN and not one_run)
+    for form in (tuple, as_pages):  # tuples, and as the runtime holds them (a PageRun for a long run)
+        got = coalesce(form(src), form(dst), page)
+        assert list(got) == _runs(src, dst, page)
+        one_run = len(got) == 1
+        assert isinstance(got, SegmentArray) == (len(src) >= COALESCE_ARRAY_MIN and not one_run)
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
