@@ -214,6 +214,7 @@ class _Job:
     lrows: Sequence[tuple[int, int, int]]  # exact byte ranges (addr, len, dev); empty: notification only
     rrows: Sequence[tuple[int, int, int]]
     prepped: tuple[str, np.ndarray, np.ndarray] | None = None  # (region, local, remote block indices)
+    region: str = ""  # the region written or read ("kv", "aux"): merge_rows never joins two
 
 
 def pack_notifications(notes: Sequence[bytes]) -> bytes:
@@ -337,13 +338,15 @@ def fold(jobs: Sequence[_Job]) -> list[list[_Job]]:
 def merge_rows(
     lrows: Sequence[tuple[int, int, int]], rrows: Sequence[tuple[int, int, int]]
 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """One transfer's byte ranges (local and remote rows, pairwise) with every pair that starts,
-    on both sides and on the same devices, where an earlier pair ends merged into that one: one
-    descriptor instead of two (NIXL's post costs per descriptor: ~4 µs on the H200 pair's GPUs).
-    A room's consecutive chunks are often adjacent in both KV caches, and folding puts them into
-    one transfer when they are handed over faster than they move. The first pair of a run keeps
-    its place; the bytes each descriptor covers are the same, so the data moved are the same (a
-    transfer's descriptors have no order). ~0.2 µs per row here."""
+    """One transfer's byte ranges (local and remote rows, pairwise, all of one region) with every
+    pair that starts, on both sides and on the same devices, where an earlier pair ends merged
+    into that one: one descriptor instead of two (NIXL's post costs per descriptor: ~4 µs on the
+    H200 pair's GPUs). A room's consecutive chunks are often adjacent in both KV caches, and
+    folding puts them into one transfer when they are handed over faster than they move. The
+    first pair of a run keeps its place; the bytes each descriptor covers are the same, so the
+    data moved are the same (a transfer's descriptors have no order). ~0.2 µs per row here.
+    Rows of two regions must not be given together: adjacent in memory or not, NIXL refuses a
+    descriptor that spans two registrations."""
     out_l: list[tuple[int, int, int]] = []
     out_r: list[tuple[int, int, int]] = []
     ends: dict[int, int] = {}  # local end -> its row (the remote side checked on a match)
@@ -734,7 +737,7 @@ class NixlDataPlane:
         segs = segments.nonempty() if type(segments) is SegmentArray else [s for s in segments if s.length]
         lrows: list[tuple[int, int, int]] = []
         rrows: list[tuple[int, int, int]] = []
-        job = _Job(op, peer, note, tag, total, (local.mem, remote.mem), lrows, rrows)
+        job = _Job(op, peer, note, tag, total, (local.mem, remote.mem), lrows, rrows, region=region)
         indices = self._block_indices(op, region, p, segs) if len(segs) else None
         if indices is not None:
             job.prepped = (region, *indices)
@@ -758,7 +761,9 @@ class NixlDataPlane:
             return None
         laddr, lsize, ldev, raddr, rsize, rdev, mems = route
         if n > 0 and 0 <= src <= lsize - n and 0 <= dst <= rsize - n:
-            return _Job("WRITE", peer, note, tag, n, mems, ((laddr + src, n, ldev),), ((raddr + dst, n, rdev),))
+            return _Job(
+                "WRITE", peer, note, tag, n, mems, ((laddr + src, n, ldev),), ((raddr + dst, n, rdev),), region=region
+            )
         return None
 
     def _post(self, job: _Job) -> int:
@@ -1024,7 +1029,9 @@ class NixlDataPlane:
             else:
                 lrows = [r for j in group for r in j.lrows]
                 rrows = [r for j in group for r in j.rrows]
-                if len(lrows) > 1:
+                if len(lrows) > 1 and all(j.region == first.region for j in group):
+                    # (not across regions: two registrations, however adjacent in memory, are
+                    # two to NIXL, and a descriptor spanning both fails the whole transfer)
                     lrows, rrows = merge_rows(lrows, rrows)
                 ldescs = self.agent.get_xfer_descs(lrows, first.mems[0])
                 rdescs = self.agent.get_xfer_descs(rrows, first.mems[1])

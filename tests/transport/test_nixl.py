@@ -187,6 +187,38 @@ def test_queued_writes_fold_into_fewer_transfers_yet_notify_and_complete_one_by_
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_a_fold_never_merges_writes_of_two_regions_that_are_adjacent_in_memory() -> None:
+    """KV and aux carved back to back out of one buffer on both sides, the last KV page and aux
+    slot 0 written in one folded transfer: their byte ranges continue each other on both sides,
+    yet they are two registrations, and NIXL refuses a descriptor that spans two. Both writes
+    complete and land, as two descriptors of one transfer."""
+    from kvfsm.transport.nixl import NixlDataPlane
+
+    block, slot = 4096, 64
+    a, b = NixlDataPlane("xreg-a", caller_posts="never"), NixlDataPlane("xreg-b")
+    src = np.random.default_rng(5).integers(0, 256, 4 * block + 4 * slot, dtype=np.uint8)
+    dst = np.zeros(4 * block + 4 * slot, dtype=np.uint8)
+    completions, done, on_a = _counting(2)
+    try:
+        a.set_handler(on_a)
+        b.set_handler(lambda item: None)
+        a.register_memory(src[: 4 * block], src[4 * block :], kv_block=block, aux_block=slot)
+        b.register_memory(dst[: 4 * block], dst[4 * block :], kv_block=block, aux_block=slot)
+        a.add_peer(b.name, b.descriptor())
+        b.add_peer(a.name, a.descriptor())
+        with a._queued:  # hold the posting thread back: the two writes fold into one transfer
+            a.write(b.name, "kv", [Segment(3 * block, 3 * block, block)], b"kv", "kv")
+            a.write(b.name, "aux", [Segment(0, 0, slot)], b"aux", "aux")
+        assert done.wait(20)
+        assert sorted((c.tag, c.ok) for c in completions) == [("aux", True), ("kv", True)], completions
+        assert (dst[3 * block : 4 * block + slot] == src[3 * block : 4 * block + slot]).all()
+        assert a.stats["transfers"] == 1 and a.stats["descriptors"] == 2
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_a_batch_handler_gets_each_poll_rounds_items_in_one_call() -> None:
     """With ``set_batch_handler`` the poller hands a round over in one call (the runtime takes
     its lock once for it): the completions of a folded transfer arrive together, as
