@@ -213,7 +213,7 @@ class _Job:
     mems: tuple[str, str]  # local and remote memory kinds
     lrows: Sequence[tuple[int, int, int]]  # exact byte ranges (addr, len, dev); empty: notification only
     rrows: Sequence[tuple[int, int, int]]
-    prepped: tuple[str, np.ndarray, np.ndarray] | None = None  # (region, local, remote block indices)
+    prepped: tuple[np.ndarray, np.ndarray] | None = None  # (local, remote) block indices into the prepared lists
     region: str = ""  # the region written or read ("kv", "aux"): merge_rows never joins two
 
 
@@ -305,7 +305,7 @@ def decode_descriptor(data: bytes) -> tuple[str, dict[str, RemoteRegion], bytes]
 
 def _fold_key(job: _Job) -> tuple[Any, ...]:
     """What jobs must share to be folded into one transfer (``fold``)."""
-    return (job.op, job.peer, job.mems, None if job.prepped is None else job.prepped[0])
+    return (job.op, job.peer, job.mems, None if job.prepped is None else job.region)
 
 
 def fold(jobs: Sequence[_Job]) -> list[list[_Job]]:
@@ -740,7 +740,7 @@ class NixlDataPlane:
         job = _Job(op, peer, note, tag, total, (local.mem, remote.mem), lrows, rrows, region=region)
         indices = self._block_indices(op, region, p, segs) if len(segs) else None
         if indices is not None:
-            job.prepped = (region, *indices)
+            job.prepped = indices
         elif type(segs) is SegmentArray:  # the rows built from the arrays, no Segment per run
             loffs, roffs = (segs.src, segs.dst) if op == "WRITE" else (segs.dst, segs.src)
             lengths = segs.length.tolist()
@@ -1013,15 +1013,15 @@ class NixlDataPlane:
                 self._ready.append(Inbound("completion", first.peer, tag=first.tag))
                 return
             if first.prepped is not None:
-                region = first.prepped[0]
+                region = first.region
                 peer = self._peers.get(first.peer)
                 if peer is None or region not in peer.prepped:
                     raise TransportError(f"{first.peer} was removed")
                 if len(group) == 1:
-                    lidx, ridx = first.prepped[1], first.prepped[2]
+                    lidx, ridx = first.prepped
                 else:
-                    lidx = np.concatenate([j.prepped[1] for j in group])  # type: ignore[index]
-                    ridx = np.concatenate([j.prepped[2] for j in group])  # type: ignore[index]
+                    lidx = np.concatenate([j.prepped[0] for j in group])  # type: ignore[index]
+                    ridx = np.concatenate([j.prepped[1] for j in group])  # type: ignore[index]
                 handle = self.agent.make_prepped_xfer(
                     first.op, self._prepped[region], lidx, peer.prepped[region], ridx, note
                 )

@@ -45,7 +45,7 @@ def _job(op: str, peer: str, mems: tuple[str, str], total: int, tag: object, reg
 
     job = _Job(op, peer, b"n", tag, total, mems, [], [])
     if region is not None:
-        job.prepped = (region, np.array([tag], np.int32), np.array([tag], np.int32))
+        job.region, job.prepped = region, (np.array([tag], np.int32), np.array([tag], np.int32))
     elif total:
         job.lrows, job.rrows = [(0, total, 0)], [(0, total, 0)]
     return job
