@@ -57,6 +57,7 @@ from kvfsm.runtime.workers import WorkerPool
 from kvfsm.transport.base import Endpoint, Inbound, Segment, SegmentArray, region_nbytes
 
 log = logging.getLogger("kvfsm.runtime")
+_STATE_SECONDS: dict[str, str] = {}  # state -> its histogram name ("state_seconds.<state>"), built once
 
 MAX_ROOM_ID = (1 << 63) - 1
 
@@ -556,18 +557,21 @@ class Manager:
     def _state_changed(self, rt: RoomRuntime, before: str, now: float) -> None:
         room = rt.room
         self._changed.notify_all()
-        self.telemetry.observe(f"state_seconds.{before}", now - rt.state_since)
-        rt.state_since = now
+        key = _STATE_SECONDS.get(before) or _STATE_SECONDS.setdefault(before, f"state_seconds.{before}")
+        since, rt.state_since = rt.state_since, now
         after = room.state
-        log.debug("%s%d room %d: %s -> %s (%s)", self.side, self.rank, room.room, before, after, room.last_row)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s%d room %d: %s -> %s (%s)", self.side, self.rank, room.room, before, after, room.last_row)
         if after == "Success":
             self.telemetry.count("rooms_succeeded")
-            self.telemetry.observe("room_seconds", now - rt.created)
+            samples = [(key, now - since), ("room_seconds", now - rt.created)]
             if rt.started is not None:
-                self.telemetry.observe("transfer_seconds", now - rt.started)
-            self.telemetry.observe("room_bytes", rt.bytes)
-            self.telemetry.observe("room_descriptors", rt.descriptors)
-        elif after == "Failed":
+                samples.append(("transfer_seconds", now - rt.started))
+            samples += (("room_bytes", rt.bytes), ("room_descriptors", rt.descriptors))
+            self.telemetry.observe_many(samples)
+            return
+        self.telemetry.observe(key, now - since)
+        if after == "Failed":
             self.telemetry.count("rooms_failed")
             code = (room.failure or "unknown").split(":", 1)[0]
             self.telemetry.count(f"failure.{code}")

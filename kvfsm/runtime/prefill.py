@@ -69,6 +69,7 @@ class PrefillManager(Manager):
         self._batch: list[Write] | None = None  # writes of a send_many(), handed over together
         self._batch_bytes = self._batch_segments = 0  # ... and their bytes and segments
         self._batch_aux: list[Write] = []  # ... its aux writes: handed over at its end, together
+        self._batch_runs = 0  # ... and how many one-segment writes _post_run added to it (not counted yet)
         self._pack_note = self.codec.packer("chunk_written")  # a chunk's notification from its fields
         self._pack_aux = self.codec.packer("aux_written")  # ... and an aux write's
 
@@ -112,6 +113,9 @@ class PrefillManager(Manager):
                 if outer is None:
                     batch, self._batch = self._batch, None
                     aux, self._batch_aux = self._batch_aux, []
+                    runs, self._batch_runs = self._batch_runs, 0
+                    if runs:  # the one-segment writes _post_run added, counted as _hand counts a write
+                        self.telemetry.count2("writes_posted", runs, "descriptors", runs)
                     self._hand_batch([*(batch or []), *aux])
 
     def _run_item(self, item: Sequence[Any]) -> bool:
@@ -226,9 +230,9 @@ class PrefillManager(Manager):
             return
         rt.bytes += length
         rt.descriptors += 1
-        self.telemetry.count2("writes_posted", 1, "descriptors", 1)
         peer = self._peer_names.get(tag[1])  # the route as it is now, when posted
         if write_run is None:  # send_many: the KV write joins the batch (as _hand adds it)
+            self._batch_runs += 1  # (counted when the send_many() ends)
             self._batch_kv((peer, region, [Segment(src, dst, length)], note, tag), length, 1)  # type: ignore[arg-type]
             return
         try:
@@ -236,9 +240,10 @@ class PrefillManager(Manager):
                 raise LocalProtocolError(f"no route to decode rank {tag[1]}")
             moved = write_run(peer, region, src, dst, length, note, tag)
         except BaseException as exc:  # noqa: BLE001 - as the inline worker pool: the write fails
+            self.telemetry.count2("writes_posted", 1, "descriptors", 1)
             self._fail_write(tag, exc)
             return
-        self.telemetry.count("bytes_written", moved)
+        self.telemetry.count3("writes_posted", 1, "descriptors", 1, "bytes_written", moved)
 
     def _row_taken(self, rt: RoomRuntime, before: str, cancelled: bool) -> None:
         """What row P11 or P10 (taken directly) leaves to the runtime before the writes: the
@@ -420,24 +425,50 @@ class PrefillManager(Manager):
         loop where rows P15 and P14 apply directly (one clock read for the item; the event queue
         looked at again only after a write that took the generic path)."""
         rooms = self._rooms
-        now = None
+        now: float | None = None
         fast = self._fast_ok()
-        for tag in item.tag:  # type: ignore[attr-defined]
-            try:
-                if fast and type(tag) is tuple and len(tag) == 3:
-                    rt = rooms.get(tag[0])
-                    if rt is not None:
-                        before = rt.room.state
-                        if fastpath.completion(rt.room, tag[1], tag[2]):
-                            if now is None:
-                                now = self.clock()
-                            self._completed(rt, before, now)
-                            continue
-                self._on_completion(tag, True, "")
-                fast = self._fast_ok()
-            except Exception:  # noqa: BLE001 - as Manager._on_completions: the item's other writes still complete
-                self._internal_error(item)
-                fast = self._fast_ok()
+        # Rooms whose transfer timer a P15 re-arms: armed once each (a folded transfer holds several
+        # writes of a room), at the end, at the deadline each P15 would set (one clock read for the
+        # item); a P14 (Success) drops its room. The same as arming it at each P15: a later write
+        # of such a room that takes the generic path is P13 (a duplicate: no timer touched), or
+        # waits in the event queue until after this item (events queued, or a step under way).
+        rearm: dict[int, None] = {}
+        try:
+            for tag in item.tag:  # type: ignore[attr-defined]
+                try:
+                    if fast and type(tag) is tuple and len(tag) == 3:
+                        rid = tag[0]
+                        rt = rooms.get(rid)
+                        if rt is not None:
+                            room = rt.room
+                            before = room.state
+                            if fastpath.completion(room, tag[1], tag[2]):
+                                if now is None:
+                                    now = self.clock()
+                                if room.state == before:
+                                    rearm[rid] = None
+                                else:
+                                    rearm.pop(rid, None)
+                                    self._state_changed(rt, before, now)
+                                    self._timers.cancel(rid, fastpath.TIMER)
+                                continue
+                    self._on_completion(tag, True, "")
+                    fast = self._fast_ok()
+                except Exception:  # noqa: BLE001 - as Manager._on_completions: the item's other writes still complete
+                    self._internal_error(item)
+                    fast = self._fast_ok()
+        finally:
+            if rearm:
+                self._rearm(rearm, now)  # type: ignore[arg-type]
+
+    def _rearm(self, rooms: dict[int, None], now: float) -> None:
+        """Arm the transfer timer of ``rooms`` (``_on_completions``'s P15 rows) at ``now`` plus the
+        transfer timeout; ``rooms`` emptied."""
+        deadline = now + self._transfer_s
+        timers = self._timers
+        for rid in rooms:
+            timers.set(rid, fastpath.TIMER, deadline)
+        rooms.clear()
 
     def _completed(self, rt: RoomRuntime, before: str, now: float) -> None:
         """What is left of row P15 or P14, applied directly (``fastpath.completion``) to a room

@@ -609,11 +609,32 @@ class NixlDataPlane:
     ) -> int:
         """``write`` of one segment (``DataPlane``'s optional ``write_run``): to a peer whose
         route is known, within both regions, described without a segment list; anything else
-        goes through ``write`` (and its checks and errors)."""
-        job = self._run_job(peer, region, src, dst, length, notification, tag)
-        if job is None:
+        goes through ``write`` (and its checks and errors). The engine's leanest path: ``_run_job``,
+        ``_post`` and, for a write the caller holds (``_post_now``), the hold itself, inline."""
+        route = self._routes.get((peer, region))
+        if route is None or not (length > 0 and 0 <= src <= route[1] - length and 0 <= dst <= route[4] - length):
             return self.write(peer, region, [Segment(src, dst, length)], notification, tag)
-        return self._post(job)
+        laddr, _, ldev, raddr, _, rdev, mems = route
+        lrow, rrow = ((laddr + src, length, ldev),), ((raddr + dst, length, rdev),)
+        job = _Job("WRITE", peer, notification, tag, length, mems, lrow, rrow, None, region)
+        self._handed += 1  # (as _post)
+        posts = (mems != HOST_TO_HOST or length <= SMALL_HOST_BYTES) if self.caller_posts == "auto" else None
+        if not (posts or (posts is None and self._caller_posts(job))):
+            self._queue([job])
+            return length
+        with self._held_lock:  # (as _post_now: held while a transfer is in flight, below the limits)
+            held = self._held
+            if (
+                self._inflight
+                and len(held) < self.flush_jobs - 1
+                and self._held_bytes + length < self.flush_bytes
+                and length < self.hold_below
+            ):
+                held.append(job)
+                self._held_bytes += length
+                return length
+        self._post_now(job)
+        return length
 
     def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self._post(self._job("READ", peer, region, segments, notification, tag))
@@ -633,24 +654,39 @@ class NixlDataPlane:
         out: list[int | Exception] = []
         mine: list[_Job] = []
         queued: list[_Job] = []
-        largest = 0
+        largest = mine_bytes = 0
         caller_posts = self._caller_posts
-        run_job = self._run_job
+        routes = self._routes
+        auto = self.caller_posts == "auto"
         for peer, region, segments, note, tag in writes:
             job = None
-            if len(segments) == 1:  # the usual write (as _job takes it first)
+            if len(segments) == 1:  # the usual write, described as _run_job describes it (inline)
                 s = segments[0]
-                job = run_job(peer, region, s.src, s.dst, s.length, note, tag)
-            if job is None:
-                try:
-                    job = self._job("WRITE", peer, region, segments, note, tag)
-                except Exception as exc:  # noqa: BLE001 - as write() would raise it, for this write alone
-                    out.append(exc)
+                route = routes.get((peer, region))
+                n = s.length
+                if route is not None and n > 0 and 0 <= s.src <= route[1] - n and 0 <= s.dst <= route[4] - n:
+                    laddr, _, ldev, raddr, _, rdev, mems = route
+                    lrow, rrow = ((laddr + s.src, n, ldev),), ((raddr + s.dst, n, rdev),)
+                    job = _Job("WRITE", peer, note, tag, n, mems, lrow, rrow, None, region)
+                    out.append(n)
+                    if (mems != HOST_TO_HOST or n <= SMALL_HOST_BYTES) if auto else caller_posts(job):
+                        mine.append(job)
+                        mine_bytes += n
+                        if n > largest:
+                            largest = n
+                    else:
+                        queued.append(job)
                     continue
+            try:
+                job = self._job("WRITE", peer, region, segments, note, tag)
+            except Exception as exc:  # noqa: BLE001 - as write() would raise it, for this write alone
+                out.append(exc)
+                continue
             total = job.total
             out.append(total)
             if caller_posts(job):
                 mine.append(job)
+                mine_bytes += total
                 if total > largest:
                     largest = total
             else:
@@ -660,7 +696,7 @@ class NixlDataPlane:
         if mine:
             with self._held_lock:
                 self._held += mine
-                self._held_bytes += sum(j.total for j in mine)
+                self._held_bytes += mine_bytes
                 if self._nagle_holds(len(self._held), largest):
                     return out  # held as write() holds them: the poller's round posts them
                 # The agent busy, writes below hold_below stay held as write() holds them (the

@@ -293,12 +293,14 @@ def test_scattered_writes_fold_into_one_block_index_transfer() -> None:
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+@pytest.mark.parametrize("via", ["write", "write_run"])
 @pytest.mark.parametrize("flush_jobs", [4, 10_000], ids=["caller-flushes", "poller-flushes"])
-def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flush_jobs: int) -> None:
+def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flush_jobs: int, via: str) -> None:
     """``caller_posts`` (device memory by default): the first write is posted before write()
     returns; writes made while a transfer is in flight are held back and go folded, posted by the
     caller once ``flush_jobs`` are held or else by the poller's next round. Every write still
-    lands, notifies after its data and completes exactly once."""
+    lands, notifies after its data and completes exactly once. ``write_run`` (which holds a
+    write inline) holds exactly as ``write`` does."""
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, n = 4096, 40
@@ -325,7 +327,10 @@ def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flus
         a.write("held-b", "kv", [Segment(0, 0, block)], b"0", ("h", 0))
         assert a.stats["transfers"] == 1  # nothing was in flight: posted by the caller, at once
         for i in range(1, n):
-            a.write("held-b", "kv", [Segment(i * block, i * block, block)], str(i).encode(), ("h", i))
+            if via == "write_run":
+                a.write_run("held-b", "kv", i * block, i * block, block, str(i).encode(), ("h", i))
+            else:
+                a.write("held-b", "kv", [Segment(i * block, i * block, block)], str(i).encode(), ("h", i))
         held = len(a._held)
         for name in pause:
             delattr(a, name)  # the class's methods again
@@ -344,11 +349,12 @@ def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flus
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
-def test_while_a_transfer_is_in_flight_small_writes_are_held_and_a_large_one_goes_at_once() -> None:
+@pytest.mark.parametrize("via", ["write", "write_run"])
+def test_while_a_transfer_is_in_flight_small_writes_are_held_and_a_large_one_goes_at_once(via: str) -> None:
     """Caller-posted writes smaller than ``hold_below`` are held while a transfer is in flight,
-    from ``write`` and from ``write_many`` alike (the poller's round or a later post takes them);
-    a write of ``hold_below`` bytes or more is posted at once, with whatever is held, from
-    either. Every write lands and completes once."""
+    from ``write`` (or ``write_run``) and from ``write_many`` alike (the poller's round or a
+    later post takes them); a write of ``hold_below`` bytes or more is posted at once, with
+    whatever is held, from either. Every write lands and completes once."""
     from kvfsm.transport.nixl import NixlDataPlane
 
     block = 4096
@@ -364,17 +370,24 @@ def test_while_a_transfer_is_in_flight_small_writes_are_held_and_a_large_one_goe
         seg = Segment(starts[i] * block, starts[i] * block, sizes[i] * block)
         return (b.name, "kv", [seg], str(i).encode(), ("s", i))
 
+    def write(i: int) -> None:
+        if via == "write_run":
+            at = starts[i] * block
+            assert a.write_run(b.name, "kv", at, at, sizes[i] * block, str(i).encode(), ("s", i)) == sizes[i] * block
+        else:
+            a.write(*w(i))
+
     try:
         _connect(a, b, src, dst, block, on_a, lambda item: None)
         pause = {"_progress": lambda *args: None, "_completions": lambda *args: None, "_flush_held": lambda: None}
         vars(a).update(pause)  # the first transfer stays in flight, as far as a knows
         time.sleep(0.05)
-        a.write(*w(0))
+        write(0)
         assert a.stats["transfers"] == 1 and not a._held, "nothing in flight: posted at once"
-        a.write(*w(1))
+        write(1)
         assert a.write_many([w(2), w(3)]) == [block, block]
         assert a.stats["transfers"] == 1 and len(a._held) == 3, "small writes are held, write_many's too"
-        a.write(*w(4))
+        write(4)
         assert a.stats["transfers"] == 2 and not a._held, "a large write goes at once, the held ones with it"
         assert a.write_many([w(5), w(6)]) == [block, 2 * block]
         assert a.stats["transfers"] == 3 and not a._held, "a batch with a large write goes at once"
