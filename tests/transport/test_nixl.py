@@ -576,9 +576,10 @@ def test_the_poller_leaves_the_transfers_to_a_caller_that_posts_and_checks_them_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """While the owner hands writes over and a posting caller checked the in-flight transfers
-    within ``busy_poll_s`` (it does at every post), the poller's rounds do not check them (the
-    caller completes them at its next post); ``busy_poll_s`` after the caller's last check they
-    do again, so a transfer whose caller went quiet is still completed."""
+    within ``busy_poll_s`` (it does at every post, up to the first still in progress: one check
+    per post here, every transfer in flight), the poller's rounds do not check them (the caller
+    completes them at its next post); ``busy_poll_s`` after the caller's last check they do
+    again, so a transfer whose caller went quiet is still completed."""
     from kvfsm.transport import nixl
     from kvfsm.transport.nixl import NixlDataPlane
 
@@ -597,7 +598,8 @@ def test_the_poller_leaves_the_transfers_to_a_caller_that_posts_and_checks_them_
         for i in range(30):  # a post every 5 ms (each posts at once: hold_below=0), for 0.15 s
             a.write(b.name, "kv", [Segment(i * block, i * block, block)], b"%d" % i, ("p", i))
             time.sleep(0.005)
-        assert checked.count(me) >= 29 and poller not in checked, "the poller checked while the caller did"
+        assert poller not in checked, "the poller checked while the caller did"
+        assert 29 <= checked.count(me) <= 30, "a posting caller checks up to the first transfer in progress"
         deadline = time.monotonic() + 5
         while poller not in checked and time.monotonic() < deadline:
             time.sleep(0.005)
