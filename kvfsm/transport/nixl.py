@@ -660,7 +660,7 @@ class NixlDataPlane:
         routes = self._routes
         auto = self.caller_posts == "auto"
         for peer, region, segments, note, tag in writes:
-            job = None
+            job = posts = None
             if len(segments) == 1:  # the usual write, described as _run_job describes it (inline)
                 s = segments[0]
                 route = routes.get((peer, region))
@@ -669,23 +669,17 @@ class NixlDataPlane:
                     laddr, _, ldev, raddr, _, rdev, mems = route
                     lrow, rrow = ((laddr + s.src, n, ldev),), ((raddr + s.dst, n, rdev),)
                     job = _Job("WRITE", peer, note, tag, n, mems, lrow, rrow, None, region)
-                    out.append(n)
-                    if (mems != HOST_TO_HOST or n <= SMALL_HOST_BYTES) if auto else caller_posts(job):
-                        mine.append(job)
-                        mine_bytes += n
-                        if n > largest:
-                            largest = n
-                    else:
-                        queued.append(job)
+                    if auto:  # (as _caller_posts decides it for a one-run write)
+                        posts = mems != HOST_TO_HOST or n <= SMALL_HOST_BYTES
+            if job is None:
+                try:
+                    job = self._job("WRITE", peer, region, segments, note, tag)
+                except Exception as exc:  # noqa: BLE001 - as write() would raise it, for this write alone
+                    out.append(exc)
                     continue
-            try:
-                job = self._job("WRITE", peer, region, segments, note, tag)
-            except Exception as exc:  # noqa: BLE001 - as write() would raise it, for this write alone
-                out.append(exc)
-                continue
             total = job.total
             out.append(total)
-            if caller_posts(job):
+            if caller_posts(job) if posts is None else posts:
                 mine.append(job)
                 mine_bytes += total
                 if total > largest:
