@@ -610,8 +610,8 @@ class NixlDataPlane:
     ) -> int:
         """``write`` of one segment (``DataPlane``'s optional ``write_run``): to a peer whose
         route is known, within both regions, described without a segment list; anything else
-        goes through ``write`` (and its checks and errors). The engine's leanest path: ``_run_job``,
-        ``_post`` and, for a write the caller holds (``_post_now``), the hold itself, inline."""
+        goes through ``write`` (and its checks and errors). The engine's leanest path: the write
+        described as ``_run_job`` describes it and handed on as ``_post`` hands it, inline."""
         route = self._routes.get((peer, region))
         if route is None or not (length > 0 and 0 <= src <= route[1] - length and 0 <= dst <= route[4] - length):
             return self.write(peer, region, [Segment(src, dst, length)], notification, tag)
@@ -619,22 +619,14 @@ class NixlDataPlane:
         lrow, rrow = ((laddr + src, length, ldev),), ((raddr + dst, length, rdev),)
         job = _Job("WRITE", peer, notification, tag, length, mems, lrow, rrow, None, region)
         self._handed += 1  # (as _post)
-        posts = (mems != HOST_TO_HOST or length <= SMALL_HOST_BYTES) if self.caller_posts == "auto" else None
-        if not (posts or (posts is None and self._caller_posts(job))):
+        if (
+            (mems != HOST_TO_HOST or length <= SMALL_HOST_BYTES)
+            if self.caller_posts == "auto"
+            else self._caller_posts(job)
+        ):
+            self._post_now(job)
+        else:
             self._queue([job])
-            return length
-        with self._held_lock:  # (as _post_now: held while a transfer is in flight, below the limits)
-            held = self._held
-            if (
-                self._inflight
-                and len(held) < self.flush_jobs - 1
-                and self._held_bytes + length < self.flush_bytes
-                and length < self.hold_below
-            ):
-                held.append(job)
-                self._held_bytes += length
-                return length
-        self._post_now(job)
         return length
 
     def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
