@@ -299,8 +299,8 @@ def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flus
     """``caller_posts`` (device memory by default): the first write is posted before write()
     returns; writes made while a transfer is in flight are held back and go folded, posted by the
     caller once ``flush_jobs`` are held or else by the poller's next round. Every write still
-    lands, notifies after its data and completes exactly once. ``write_run`` (which holds a
-    write inline) holds exactly as ``write`` does."""
+    lands, notifies after its data and completes exactly once. ``write_run`` (the engine's
+    leanest path) holds exactly as ``write`` does."""
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, n = 4096, 40
