@@ -275,9 +275,10 @@ def test_scattered_writes_fold_into_one_block_index_transfer() -> None:
     try:
         _connect(a, b, src, dst, block, on_a, lambda item: notes.append(item.data))
         last = n * per - 1
-        for i in range(n):  # destination pages in reverse order: one descriptor per page
-            segs = [Segment((i * per + k) * block, (last - i * per - k) * block, block) for k in range(per)]
-            a.write("sfold-b", "kv", segs, str(i).encode(), ("s", i))
+        with a._queued:  # hold the posting thread back so that the writes queue together and fold
+            for i in range(n):  # destination pages in reverse order: one descriptor per page
+                segs = [Segment((i * per + k) * block, (last - i * per - k) * block, block) for k in range(per)]
+                a.write("sfold-b", "kv", segs, str(i).encode(), ("s", i))
         assert done.wait(20)
         deadline = time.monotonic() + 10
         while len(notes) < n and time.monotonic() < deadline:
