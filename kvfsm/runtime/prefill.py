@@ -447,10 +447,9 @@ class PrefillManager(Manager):
                                     now = self.clock()
                                 if room.state == before:
                                     rearm[rid] = None
-                                else:
+                                else:  # P14: the room succeeded (as _completed carries it out)
                                     rearm.pop(rid, None)
-                                    self._state_changed(rt, before, now)
-                                    self._timers.cancel(rid, fastpath.TIMER)
+                                    self._completed(rt, before, now)
                                 continue
                     self._on_completion(tag, True, "")
                     fast = self._fast_ok()
