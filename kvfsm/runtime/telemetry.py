@@ -92,10 +92,7 @@ class Telemetry:
     def observe(self, name: str, value: float) -> None:
         self._lock.acquire()
         try:
-            h = self.histograms.get(name)
-            if h is None:
-                h = self.histograms[name] = Histogram()
-            h.record(value)
+            self._histogram(name).record(value)
         finally:
             self._lock.release()
 
@@ -104,14 +101,17 @@ class Telemetry:
         that concludes records several)."""
         self._lock.acquire()
         try:
-            histograms = self.histograms
             for name, value in samples:
-                h = histograms.get(name)
-                if h is None:
-                    h = histograms[name] = Histogram()
-                h.record(value)
+                self._histogram(name).record(value)
         finally:
             self._lock.release()
+
+    def _histogram(self, name: str) -> Histogram:
+        """The histogram ``name``, made on first use (the lock held)."""
+        h = self.histograms.get(name)
+        if h is None:
+            h = self.histograms[name] = Histogram()
+        return h
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
