@@ -318,6 +318,8 @@ def fold(jobs: Sequence[_Job]) -> list[list[_Job]]:
     first job. Across keys the order may change: the protocol never relies on the order of two
     writes' notifications (the model checker delivers them in any order). A notification-only
     job (nothing to move) stays alone."""
+    if len(jobs) == 1:  # (a large write the caller posts at once: one group, no key built)
+        return [list(jobs)]
     groups: list[list[_Job]] = []
     open_: dict[tuple[Any, ...], tuple[list[_Job], list[int]]] = {}  # key -> (group, [its bytes])
     for job in jobs:
@@ -864,7 +866,7 @@ class NixlDataPlane:
             if not self._lock.acquire(blocking=wait):
                 return
             jobs = self._take_held()
-            if job.total >= self.hold_below and held < self.flush_jobs:
+            if 1 < held < self.flush_jobs and job.total >= self.hold_below:
                 # A large write goes at once with the held writes it folds with; those that
                 # would make transfers of their own (a room's aux slot in host memory beside its
                 # KV in VRAM, another peer) stay held for the poller's round: the caller posts
@@ -1034,8 +1036,9 @@ class NixlDataPlane:
         if self._closed:
             return
         first = group[0]
-        tags = [j.tag for j in group]
-        note = first.note if len(group) == 1 else pack_notifications([j.note for j in group])
+        one = len(group) == 1
+        tags = [first.tag] if one else [j.tag for j in group]
+        note = first.note if one else pack_notifications([j.note for j in group])
         try:
             if first.prepped is None and not first.lrows:
                 self.agent.send_notif(first.peer, note)  # nothing to move
@@ -1056,8 +1059,11 @@ class NixlDataPlane:
                 )
                 ndesc = len(lidx)
             else:
-                lrows = [r for j in group for r in j.lrows]
-                rrows = [r for j in group for r in j.rrows]
+                if one:
+                    lrows, rrows = list(first.lrows), list(first.rrows)
+                else:
+                    lrows = [r for j in group for r in j.lrows]
+                    rrows = [r for j in group for r in j.rrows]
                 if len(lrows) > 1 and all(j.region == first.region for j in group):
                     # (not across regions: two registrations, however adjacent in memory, are
                     # two to NIXL, and a descriptor spanning both fails the whole transfer)
@@ -1079,7 +1085,7 @@ class NixlDataPlane:
             self.stats["failed"] += len(group)
             self._ready += [Inbound("completion", first.peer, tag=t, ok=False, reason=reason) for t in tags]
             return
-        total = sum(j.total for j in group)
+        total = first.total if one else sum(j.total for j in group)
         self._inflight[handle] = _Xfer(tags, first.peer, first.op, time.monotonic(), total)
         self.stats["writes" if first.op == "WRITE" else "reads"] += len(group)
         self.stats["transfers"] += 1

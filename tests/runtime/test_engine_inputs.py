@@ -122,3 +122,31 @@ def test_runs_given_as_range_or_numpy_become_the_same_exact_int_tuples(given: An
     run = want == tuple(range(want[0], want[0] + len(want))) if want else True
     expected = (min(want), max(want), len(set(want)) == len(want), run) if want else (0, -1, True, True)
     assert page_summary(got) == expected
+
+
+@pytest.mark.parametrize(
+    "bad", [float, np.float64, bool, str, lambda _: None], ids=["float", "numpy-float", "bool", "str", "none"]
+)
+@pytest.mark.parametrize("where", [2, 20, 63])
+def test_a_long_run_with_one_item_that_is_not_an_integer_is_refused(bad: Any, where: int) -> None:
+    """A list that is one ascending run but for one item past the first two: the runs' checks in
+    C (decode's announcement, and prefill's leanest send path) must refuse it as the general path
+    does, not take it for the run it resembles."""
+    c = LoopbackCluster(pages=256)
+    recv = c.decode[0].create_receiver(7)
+    sender = c.prefill[0].create_sender(7)
+    good = list(range(38, 38 + 64))
+    bad_pages = [*good[:where], bad(good[where]), *good[where + 1 :]]  # equal to the page it stands for
+    with pytest.raises(LocalProtocolError, match="integer"):
+        recv.init(bad_pages, 0)
+    assert recv.poll() == KVPoll.WaitingForInput and c.settle() == 0  # nothing announced
+    recv.init(good, 0)
+    c.settle()
+    with pytest.raises(LocalProtocolError, match="integer"):
+        sender.send(bad_pages)
+    with pytest.raises(LocalProtocolError, match="integer"):
+        c.prefill[0].send_many([(sender, bad_pages)])
+    assert sender.poll() == KVPoll.WaitingForInput and not sender.pages_in_use()  # nothing posted
+    sender.send(good, is_last=True, aux_slot=1)
+    c.settle()
+    assert recv.poll() == KVPoll.Success and c.kv_equal(0, good, 0, good)
