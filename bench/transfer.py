@@ -1044,7 +1044,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         help="kvfsm NixlDataPlane option KEY=VALUE: caller_posts=auto|always|never, flush_jobs, flush_bytes, hold_below, "
-        "progress_thread=1, busy_poll_s, idle_poll_s, hot_window_s",
+        "thread_posts_from, progress_thread=1, busy_poll_s, idle_poll_s, hot_window_s",
     )
     ap.add_argument("--sizes", help="comma-separated chunk sizes in KiB (default: 4 KiB ... 256 MiB)")
     ap.add_argument("--layouts", default="contig,scattered", help="contig, scattered or both")

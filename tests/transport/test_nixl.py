@@ -894,6 +894,74 @@ def test_auto_lets_the_caller_post_device_and_tiny_host_writes_and_the_thread_th
             p.close()
 
 
+class _BusyAgent:
+    """An agent whose every transfer stays in progress (``test_auto_hands_...``): the poller
+    checks the transfer the test puts in flight and leaves it there."""
+
+    def check_xfer_state(self, handle: object) -> str:
+        return "PROC"
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def release_xfer_handle(self, handle: object) -> None: ...
+
+
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
+def test_auto_hands_a_lone_large_device_write_to_the_thread_only_while_the_link_is_busy() -> None:
+    """ "auto": a lone device write of ``thread_posts_from`` bytes or more (``write``,
+    ``write_run``) goes to the posting thread while a transfer is in flight or queued (its NIXL
+    calls then overlap the engine's Python), the caller posts it when nothing is (the link waits
+    for no hand-off), and smaller ones the caller posts either way; ``write_many``'s and
+    ``caller_posts="always"``'s stay with the caller. (Device memory cannot be registered here:
+    the route and the transfer in flight are set by hand, the agent stands in for the GPU's.)"""
+    from kvfsm.transport.nixl import THREAD_POSTS_FROM, NixlDataPlane, Segment, _Route
+
+    vram = ("VRAM", "VRAM")
+    planes = [NixlDataPlane("lone-auto"), NixlDataPlane("lone-always", caller_posts="always")]
+    real = [p.agent for p in planes]
+    try:
+        seen: list[tuple[str, int]] = []
+        for p in planes:
+            p.agent = _BusyAgent()
+            p._post_now = lambda job: seen.append(("caller", job.total))  # type: ignore[method-assign]
+            p._queue = lambda jobs: seen.extend(("thread", j.total) for j in jobs)  # type: ignore[method-assign]
+            p._post_locked = lambda jobs, p=p: (  # type: ignore[method-assign]
+                seen.extend(("caller", j.total) for j in jobs),
+                p._lock.release(),
+            )
+            p._routes[("d", "kv")] = _Route(0, 1 << 40, 0, 0, 1 << 40, 1, vram)
+        auto, always = planes
+        big, small = THREAD_POSTS_FROM, THREAD_POSTS_FROM - 1
+
+        def lone(p: NixlDataPlane) -> list[str]:
+            seen.clear()
+            p._post(_job("WRITE", "d", vram, big, 0))
+            p._post(_job("WRITE", "d", vram, small, 1))
+            p.write_run("d", "kv", 0, 0, big, b"n", 2)
+            p.write_run("d", "kv", 0, 0, small, b"n", 3)
+            return [who for who, _ in seen]
+
+        assert lone(auto) == ["caller"] * 4  # nothing in flight: the link waits for no hand-off
+        auto._inflight[1] = None  # type: ignore[assignment]
+        assert lone(auto) == ["thread", "caller", "thread", "caller"]
+        seen.clear()
+        auto.write_many([("d", "kv", [Segment(0, 0, big)], b"n", 4)])  # a batch: the caller posts it
+        assert seen == [("caller", big)]
+        del auto._inflight[1]
+        auto._jobs.append(_job("WRITE", "d", vram, small, 5))  # queued, not yet posted: behind it
+        assert lone(auto) == ["thread", "caller", "thread", "caller"]
+        auto._jobs.clear()
+        always._inflight[1] = None  # type: ignore[assignment]
+        assert lone(always) == ["caller"] * 4
+        always._inflight.clear()
+    finally:
+        for p, agent in zip(planes, real, strict=True):
+            p._inflight.clear()
+            p.agent = agent
+            p.close()
+
+
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 @pytest.mark.parametrize("caller_posts", ["always", "never"])
 def test_write_many_posts_a_batch_together_and_refuses_only_its_bad_writes(caller_posts: str) -> None:
