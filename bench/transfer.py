@@ -89,7 +89,7 @@ PAGE = 4096  # scattered layouts: one descriptor per 4 KiB page
 CONTIG_PAGE = 64 << 10  # contiguous layouts: a KV page of 64 KiB (e.g. 64 tokens x 8 heads x 128 x bf16)
 AUX = 64  # bytes of a room's aux slot (host memory at both ends)
 MiB = 1 << 20
-SIZES = [4 << 10, 64 << 10, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+SIZES = [4 << 10, 64 << 10, 1 * MiB, 16 * MiB, 32 * MiB, 64 * MiB, 256 * MiB]
 QUICK_SIZES = [64 << 10, 1 * MiB, 4 * MiB]
 
 
