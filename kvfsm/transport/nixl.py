@@ -128,7 +128,7 @@ FLUSH_BYTES = 32 << 20  # ... and bytes (16 MiB before session 23: see docs/tran
 HOLD_BELOW_BYTES = 8 << 20  # ... each smaller than this: a larger one is posted at once (see _post_now)
 HOLD_LIMIT = 1  # a caller that finds the poller in a NIXL call holds up to this many times flush_jobs
 BIG_WRITE_BYTES = 32 << 20  # ... but a write this big it posts at once (it waits for the agent)
-THREAD_POSTS_FROM = 32 << 20  # auto: a lone write this big goes to the posting thread, wherever it is (see _post)
+THREAD_POSTS_FROM = 32 << 20  # auto: a lone write this big goes to the posting thread, the link busy (_to_thread)
 
 
 def use_prepped(segments: int, blocks: int) -> bool:
