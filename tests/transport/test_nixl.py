@@ -894,19 +894,6 @@ def test_auto_lets_the_caller_post_device_and_tiny_host_writes_and_the_thread_th
             p.close()
 
 
-class _BusyAgent:
-    """An agent whose every transfer stays in progress (``test_auto_hands_...``): the poller
-    checks the transfer the test puts in flight and leaves it there."""
-
-    def check_xfer_state(self, handle: object) -> str:
-        return "PROC"
-
-    def get_new_notifs(self) -> dict[str, list[bytes]]:
-        return {}
-
-    def release_xfer_handle(self, handle: object) -> None: ...
-
-
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_auto_hands_a_lone_large_device_write_to_the_thread_only_while_the_link_is_busy() -> None:
     """ "auto": a lone device write of ``thread_posts_from`` bytes or more (``write``,
@@ -914,16 +901,16 @@ def test_auto_hands_a_lone_large_device_write_to_the_thread_only_while_the_link_
     calls then overlap the engine's Python), the caller posts it when nothing is (the link waits
     for no hand-off), and smaller ones the caller posts either way; ``write_many``'s and
     ``caller_posts="always"``'s stay with the caller. (Device memory cannot be registered here:
-    the route and the transfer in flight are set by hand, the agent stands in for the GPU's.)"""
+    the route and the transfer in flight are set by hand, and the poller finds it in progress.)"""
     from kvfsm.transport.nixl import THREAD_POSTS_FROM, NixlDataPlane, Segment, _Route
 
     vram = ("VRAM", "VRAM")
     planes = [NixlDataPlane("lone-auto"), NixlDataPlane("lone-always", caller_posts="always")]
-    real = [p.agent for p in planes]
     try:
         seen: list[tuple[str, int]] = []
         for p in planes:
-            p.agent = _BusyAgent()
+            p.agent = _SlowAgent(p.agent, 3600.0)
+            p.agent.posted[1] = time.monotonic()  # the transfer put in flight below: in progress
             p._post_now = lambda job: seen.append(("caller", job.total))  # type: ignore[method-assign]
             p._queue = lambda jobs: seen.extend(("thread", j.total) for j in jobs)  # type: ignore[method-assign]
             p._post_locked = lambda jobs, p=p: (  # type: ignore[method-assign]
@@ -956,9 +943,7 @@ def test_auto_hands_a_lone_large_device_write_to_the_thread_only_while_the_link_
         assert lone(always) == ["caller"] * 4
         always._inflight.clear()
     finally:
-        for p, agent in zip(planes, real, strict=True):
-            p._inflight.clear()
-            p.agent = agent
+        for p in planes:
             p.close()
 
 
