@@ -801,7 +801,7 @@ class NixlDataPlane:
     def _post(self, job: _Job) -> int:
         """Post a validated write or read, or queue it for the posting thread; returns its bytes."""
         self._handed += 1  # (unlocked: a lost increment still changes it, which is all flush needs)
-        if self._caller_posts(job) and not (self.caller_posts == "auto" and self._to_thread(job.total)):
+        if self._caller_posts(job) and not self._to_thread(job.total):
             self._post_now(job)
         else:
             self._queue([job])
@@ -817,7 +817,7 @@ class NixlDataPlane:
         chunks posted by the thread even then: 0.95-0.99 of raw NIXL against 0.99-1.01). Not
         from 16 MiB: such a chunk crosses NVLink in ~45 µs, less than the thread's turn (0.83-0.92
         against 1.11-1.27). A ``write_many`` batch's writes the caller posts in one turn."""
-        return total >= self.thread_posts_from and bool(self._inflight or self._jobs)
+        return total >= self.thread_posts_from and self.caller_posts == "auto" and bool(self._inflight or self._jobs)
 
     def _queue(self, jobs: list[_Job]) -> None:
         """Queue jobs for the posting thread."""
