@@ -1,13 +1,16 @@
-"""The generated docs (docs/prefill_room.md, docs/decode_room.md, docs/messages.md) match spec/."""
+"""The generated docs (docs/prefill_room.md, docs/decode_room.md, docs/messages.md) match spec/,
+and docs/configuration.md matches the configuration classes."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from kvfsm import docsgen
+from kvfsm.config import one_of, positive, setting, validate
 from kvfsm.protocol.spec import load_spec, spec_dir
 
 REPO_ROOT = spec_dir().parent
@@ -34,6 +37,12 @@ def test_check_reports_an_edited_page_and_a_missing_one(tmp_path: Path) -> None:
     edited.write_text(edited.read_text() + "hand edit\n")
     (tmp_path / "docs/messages.md").unlink()
     assert docsgen.stale(tmp_path) == ["docs/decode_room.md", "docs/messages.md"]
+    assert docsgen.main(["--check", "--root", str(tmp_path)]) == 1
+
+    assert docsgen.main(["--root", str(tmp_path)]) == 0
+    config = tmp_path / docsgen.CONFIG_PAGE
+    config.write_text(config.read_text() + "hand edit\n")
+    assert docsgen.stale(tmp_path) == [docsgen.CONFIG_PAGE]
     assert docsgen.main(["--check", "--root", str(tmp_path)]) == 1
 
     assert docsgen.main(["--root", str(tmp_path)]) == 0
@@ -68,3 +77,79 @@ def test_diagram_mentions_every_leaf_state(machine: str) -> None:
 
 def test_table_cells_escape_pipes() -> None:
     assert docsgen._cell("a | b\n  c") == "a \\| b c"
+
+
+@dataclass(frozen=True)
+class PollerConfig:
+    """Knobs of a poller, for the reference page's tests.
+
+    This second paragraph stays out of the page."""
+
+    poll_s: float = setting(0.5, doc="how long | between polls", when="lower it for latency", check=positive,
+                            must="a number > 0")  # fmt: skip
+    mode: str = setting("auto", doc="who polls", check=one_of("auto", "never"), must='"auto" or "never"')
+    peers: dict[str, int] = setting(doc="known peers", default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True)
+class OtherPollerConfig:
+    poll_s: float = setting(0.25, doc="how long between polls", check=positive, must="a number > 0")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def _rows(page: str) -> list[list[str]]:
+    """The body rows of the page's tables, cells split on unescaped pipes."""
+    rows = []
+    for line in page.splitlines():
+        if line.startswith("| ") and not line.startswith(("| field |", "| --- |")):
+            rows.append([c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]])
+    return rows
+
+
+def test_configuration_page_lists_every_field_of_every_class_in_order() -> None:
+    page = docsgen.render_configuration([PollerConfig, OtherPollerConfig])
+    assert page.index("## `PollerConfig`") < page.index("## `OtherPollerConfig`")
+    assert f"`from {__name__} import PollerConfig`" in page
+    assert "Knobs of a poller, for the reference page's tests." in page and "second paragraph" not in page
+    assert "OtherPollerConfig(" not in page  # a class without a docstring gets no dataclass signature
+    assert _rows(page) == [
+        ["`poll_s`", "`float`", "`0.5`", "how long | between polls", "lower it for latency", "a number > 0"],
+        ["`mode`", "`str`", "`'auto'`", "who polls", "-", '"auto" or "never"'],
+        ["`peers`", "`dict[str, int]`", "`{}`", "known peers", "-", "any value of its type"],
+        ["`poll_s`", "`float`", "`0.25`", "how long between polls", "-", "a number > 0"],
+    ]
+
+
+def test_configuration_page_refuses_an_undocumented_field() -> None:
+    @dataclass(frozen=True)
+    class Bare:
+        poll_s: float = 0.5
+
+    with pytest.raises(TypeError, match="Bare.poll_s is not declared with setting"):
+        docsgen.render_configuration([Bare])
+
+
+def test_configuration_page_goes_stale_when_a_declaration_changes(tmp_path: Path) -> None:
+    docsgen.write_all(tmp_path, configs=[PollerConfig])
+    assert docsgen.stale(tmp_path, configs=[PollerConfig]) == []
+    assert docsgen.stale(tmp_path, configs=[PollerConfig, OtherPollerConfig]) == [docsgen.CONFIG_PAGE]
+    assert docsgen.stale(tmp_path, configs=[]) == [docsgen.CONFIG_PAGE]
+
+
+def test_listed_configuration_classes_that_do_not_import_are_left_out() -> None:
+    paths = [f"{__name__}:PollerConfig", "kvfsm.no_such_module:Config", "kvfsm.config:NoSuchConfig",
+             f"{__name__}:OtherPollerConfig"]  # fmt: skip
+    classes, missing = docsgen.load_config_classes(paths)
+    assert classes == [PollerConfig, OtherPollerConfig]
+    assert missing == ["kvfsm.no_such_module:Config", "kvfsm.config:NoSuchConfig"]
+
+
+def test_every_listed_configuration_class_is_on_the_committed_page() -> None:
+    page = (REPO_ROOT / docsgen.CONFIG_PAGE).read_text()
+    for cls in docsgen.load_config_classes()[0]:
+        assert f"## `{cls.__name__}`" in page
