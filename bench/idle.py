@@ -9,8 +9,8 @@ and idle; the process's CPU time over ``--seconds`` of wall time, as % of one co
               ``quiet_poll_s`` between polls
   waiting     decode has a room whose pages it announced, no chunk sent yet: decode expects
               writes and polls every ``idle_poll_s`` (prefill stays quiet)
-  unhinted    baseline, no room: both data planes told to expect traffic, as every data plane
-              polled before the hint existed (every ``idle_poll_s``)
+  unhinted    baseline, no room: both data planes told to expect traffic, so that they poll as
+              a data plane without the hint would (every ``idle_poll_s``)
   nixl_progress_thread
               baseline: one bare NIXL agent with NIXL's own progress thread (the Python API's
               default), after the managers are closed
