@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvfsm.config import ConfigError
+from kvfsm.config import ConfigError, reference
 from kvfsm.transport.base import Inbound, TransportError
 from kvfsm.transport.zmq import BootstrapClient, BootstrapServer, ZmqConfig, ZmqControlPlane
 
@@ -564,3 +564,11 @@ def test_constructor_rejects_bad_arguments_and_unreachable_bootstrap() -> None:
 def test_config_refuses_out_of_range_values_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=rf"ZmqConfig\.{field} = {value!r}: it must be"):
         ZmqConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_config_documents_every_field_and_defaults_to_a_server_setting() -> None:
+    rows = {r.name: r for r in reference(ZmqConfig)}
+    assert list(rows) == ["heartbeat_s", "peer_timeout_s", "max_message", "max_descriptor", "queue_limit", "linger_s"]
+    assert all(r.doc and r.when and r.must for r in rows.values())
+    cfg = ZmqConfig()
+    assert cfg.heartbeat_s < cfg.peer_timeout_s and cfg.max_message == 16 << 20
