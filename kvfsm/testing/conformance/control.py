@@ -16,7 +16,7 @@ from kvfsm.transport.base import Inbound, TransportError
 
 @contextmanager
 def _control_case(make: PlanesFactory, label: str, timeout: float) -> Iterator[Net]:
-    with case(make, label, ("a", "b", "c"), timeout) as net:
+    with case(make, label, ("a", "b", "c"), timeout, Net) as net:
         yield net
 
 

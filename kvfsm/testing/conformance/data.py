@@ -55,14 +55,8 @@ class _DataNet(Net):
 
 @contextmanager
 def _data_case(make: PlanesFactory, label: str, timeout: float) -> Iterator[_DataNet]:
-    names = ("a", "b", "c")
-    net = _DataNet(make(names), names, timeout)
-    try:
+    with case(make, label, ("a", "b", "c"), timeout, _DataNet) as net:
         yield net
-    except AssertionError as exc:
-        raise AssertionError(f"{label}: {exc}") from exc
-    finally:
-        net.made.close()
 
 
 def _apply(dst: np.ndarray, src: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
@@ -372,7 +366,7 @@ def check_registers_torch_tensors(make: PlanesFactory, *, timeout: float = 10.0)
     except ImportError:
         return
     names = ("x", "y")
-    with case(make, "torch tensors", names, timeout) as net:
+    with case(make, "torch tensors", names, timeout, Net) as net:
         g = torch.Generator().manual_seed(3)
         tensors = {n: torch.randint(0, 256, (KV_BYTES,), dtype=torch.uint8, generator=g) for n in names}
         aux = {n: torch.zeros(AUX_BYTES, dtype=torch.uint8) for n in names}

@@ -36,11 +36,16 @@ class Planes(Generic[P]):
     cleanup: Callable[[], object] = _nothing
 
     def close(self) -> None:
-        try:
-            for p in self.planes.values():
+        """Close every plane, then ``cleanup()``; the first error (if any) is raised after."""
+        errors: list[Exception] = []
+        for p in self.planes.values():
+            try:
                 p.close()  # type: ignore[attr-defined]
-        finally:
-            self.cleanup()
+            except Exception as exc:  # noqa: BLE001 - the other planes still close
+                errors.append(exc)
+        self.cleanup()
+        if errors:
+            raise errors[0]
 
 
 PlanesFactory = Callable[[tuple[str, ...]], Planes[Any]]
@@ -108,10 +113,15 @@ class Net:
         self.settle()
 
 
+N = TypeVar("N", bound=Net)
+
+
 @contextmanager
-def case(make: PlanesFactory, label: str, names: tuple[str, ...], timeout: float) -> Iterator[Net]:
-    """A fresh net for one case; an AssertionError names the case."""
-    net = Net(make(names), names, timeout)
+def case(
+    make: PlanesFactory, label: str, names: tuple[str, ...], timeout: float, kind: Callable[..., N]
+) -> Iterator[N]:
+    """A fresh net (of ``kind``) for one case, closed after it; an AssertionError names the case."""
+    net = kind(make(names), names, timeout)
     try:
         yield net
     except AssertionError as exc:
