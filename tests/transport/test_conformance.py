@@ -9,23 +9,25 @@ factory; each check is one test per transport.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from kvfsm.testing.conformance import CONTROL_PLANE_CHECKS, DATA_PLANE_CHECKS, Planes
+from kvfsm.transport.base import Inbound
 from kvfsm.transport.loopback import Fabric
 from kvfsm.transport.nixl import nixl_available
 
 NIXL_MISSING = nixl_available()
 
 
-def loopback_data_planes(names: tuple[str, ...]) -> Planes[object]:
+def loopback_data_planes(names: tuple[str, ...]) -> Planes[Any]:
     fabric = Fabric(0)
     return Planes({n: fabric.endpoint(n) for n in names}, settle=fabric.pump, crash=fabric.crash)
 
 
-def nixl_data_planes(caller_posts: str) -> Callable[[tuple[str, ...]], Planes[object]]:
-    def make(names: tuple[str, ...]) -> Planes[object]:
+def nixl_data_planes(caller_posts: str) -> Callable[[tuple[str, ...]], Planes[Any]]:
+    def make(names: tuple[str, ...]) -> Planes[Any]:
         from kvfsm.transport.nixl import NixlDataPlane
 
         return Planes({n: NixlDataPlane(n, caller_posts=caller_posts) for n in names})
@@ -33,7 +35,7 @@ def nixl_data_planes(caller_posts: str) -> Callable[[tuple[str, ...]], Planes[ob
     return make
 
 
-def loopback_control_planes(names: tuple[str, ...]) -> Planes[object]:
+def loopback_control_planes(names: tuple[str, ...]) -> Planes[Any]:
     fabric = Fabric(0)
     planes = {}
     for n in names:
@@ -42,7 +44,7 @@ def loopback_control_planes(names: tuple[str, ...]) -> Planes[object]:
     return Planes(planes, settle=fabric.pump, crash=fabric.crash)
 
 
-def zmq_control_planes(names: tuple[str, ...]) -> Planes[object]:
+def zmq_control_planes(names: tuple[str, ...]) -> Planes[Any]:
     from kvfsm.transport.zmq import BootstrapServer, ZmqControlPlane
 
     server = BootstrapServer()
@@ -68,13 +70,13 @@ def _name(check: Callable[..., None]) -> str:
 
 @pytest.mark.parametrize("check", DATA_PLANE_CHECKS, ids=_name)
 @pytest.mark.parametrize("make", DATA_PLANES)
-def test_data_plane(make: Callable[[tuple[str, ...]], Planes[object]], check: Callable[..., None]) -> None:
+def test_data_plane(make: Callable[[tuple[str, ...]], Planes[Any]], check: Callable[..., None]) -> None:
     check(make)
 
 
 @pytest.mark.parametrize("check", CONTROL_PLANE_CHECKS, ids=_name)
 @pytest.mark.parametrize("make", CONTROL_PLANES)
-def test_control_plane(make: Callable[[tuple[str, ...]], Planes[object]], check: Callable[..., None]) -> None:
+def test_control_plane(make: Callable[[tuple[str, ...]], Planes[Any]], check: Callable[..., None]) -> None:
     check(make)
 
 
@@ -82,15 +84,19 @@ def test_a_violation_is_an_assertion_error_naming_the_check_and_case() -> None:
     """A data plane that notifies but never completes fails the suite with a message that says
     which check and case, and what was not reached."""
 
-    def no_completions(names: tuple[str, ...]) -> Planes[object]:
+    def no_completions(names: tuple[str, ...]) -> Planes[Any]:
         made = loopback_data_planes(names)
         for ep in made.planes.values():
-            handler_setter = ep.set_handler  # type: ignore[attr-defined]
+            handler_setter = ep.set_handler
 
-            def set_handler(h: Callable[..., None], setter: Callable[..., None] = handler_setter) -> None:
-                setter(lambda item: item.kind != "completion" and h(item))
+            def set_handler(h: Callable[[Inbound], None], setter: Callable[..., None] = handler_setter) -> None:
+                def drop_completions(item: Inbound) -> None:
+                    if item.kind != "completion":
+                        h(item)
 
-            ep.set_handler = set_handler  # type: ignore[attr-defined]
+                setter(drop_completions)
+
+            ep.set_handler = set_handler
         return made
 
     with pytest.raises(AssertionError, match=r"read: not reached within 0.2 s: the read's completion"):
