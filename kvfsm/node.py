@@ -125,7 +125,7 @@ def emit(event: str, **fields: Any) -> None:
 def _endpoint(cfg: ClusterConfig, side: str, rank: int, bootstrap: str) -> Any:
     from kvfsm.transport.base import SplitEndpoint
     from kvfsm.transport.nixl import NixlDataPlane
-    from kvfsm.transport.zmq import ZmqControlPlane
+    from kvfsm.transport.zmq import ZmqConfig, ZmqControlPlane
 
     host = cfg.prefill_host if side == "prefill" else cfg.decode_host
     name = f"{side}-{rank}"
@@ -136,8 +136,7 @@ def _endpoint(cfg: ClusterConfig, side: str, rank: int, bootstrap: str) -> Any:
         side=side,
         rank=rank,
         bind=f"tcp://{host}:*",
-        peer_timeout_s=min(3.0, cfg.transfer_timeout / 2),
-        heartbeat_s=0.25,
+        config=ZmqConfig(peer_timeout_s=min(3.0, cfg.transfer_timeout / 2), heartbeat_s=0.25),
     )
     return SplitEndpoint(control, data)
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvfsm.config import non_negative, positive_int, setting, validate
 from kvfsm.transport.base import (
     AddPeer,
     Handler,
@@ -46,19 +47,46 @@ from kvfsm.transport.base import (
 log = logging.getLogger("kvfsm.transport.loopback")
 
 
+def _probability(x: Any) -> bool:
+    return non_negative(x) and x <= 1
+
+
 @dataclass(frozen=True, slots=True)
 class Faults:
-    drop: float = 0.0  # probability a message or notification is lost
-    dup: float = 0.0  # probability it is delivered twice
-    delay: float = 0.0  # probability it is held back for up to max_delay picks
-    max_delay: int = 8
+    """What the fabric does wrong, on purpose: fault injection for messages and notifications
+    (completions are never dropped, duplicated or delayed). Validated at construction."""
+
+    drop: float = setting(
+        0.0,
+        doc="Probability that a message or notification is lost.",
+        when="Test that the protocol's timers and retries cover a lossy network.",
+        check=_probability,
+        must="a probability in [0, 1]",
+    )
+    dup: float = setting(
+        0.0,
+        doc="Probability that a message or notification is delivered twice.",
+        when="Test that duplicates are harmless.",
+        check=_probability,
+        must="a probability in [0, 1]",
+    )
+    delay: float = setting(
+        0.0,
+        doc="Probability that a message or notification is held back for up to max_delay picks.",
+        when="Test reordering beyond what the ordering model allows.",
+        check=_probability,
+        must="a probability in [0, 1]",
+    )
+    max_delay: int = setting(
+        8,
+        doc="The most picks a delayed item waits.",
+        when="Raise it for longer reorderings under delay.",
+        check=positive_int,
+        must="an int >= 1 (picks)",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("drop", "dup", "delay"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"Faults.{name} is a probability in [0, 1]")
-        if self.max_delay < 1:
-            raise ValueError("Faults.max_delay must be at least 1 pick")
+        validate(self)
 
     @property
     def any(self) -> bool:
@@ -89,15 +117,21 @@ class FabricStats:
 
 
 class Fabric:
-    """The in-process network. Thread-safe; deterministic for a seed when pumped by one thread."""
+    """The in-process network. Thread-safe; deterministic for a seed when pumped by one thread.
+
+    Its arguments are the network model a test or a replay picks: ``seed`` (the delivery order's
+    random choices), ``ordered`` (FIFO per pair, or any queued item next), ``faults`` (what goes
+    wrong on purpose) and ``async_writes`` (a write's data lands when its queued item is
+    delivered, like an RDMA write in flight, instead of inside ``write()``; replay uses it to
+    follow checker traces). None of them is tuning, and none has a right value for a GPU server,
+    so the loopback has no configuration object: ``Faults`` is the one validated, documented part.
+    """
 
     def __init__(
         self, seed: int = 0, *, ordered: bool = True, faults: Faults | None = None, async_writes: bool = False
     ) -> None:
         self.rng = random.Random(seed)
         self.ordered = ordered
-        # async_writes: a write's data lands when its queued write item is delivered (like an RDMA
-        # write in flight), not inside write(); kvfsm replay uses it to follow checker traces.
         self.async_writes = async_writes
         self.faults = faults or Faults()
         self._lock = threading.Lock()

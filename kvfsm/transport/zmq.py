@@ -2,6 +2,10 @@
 
 Theory of operation
 -------------------
+Timers and limits come from a ``ZmqConfig`` (``config=``, see ``kvfsm.transport.zmq_config``);
+``heartbeat_s``, ``peer_timeout_s``, ``max_message``, ``max_descriptor``, ``queue_limit`` and
+``linger_s`` below are its fields.
+
 Each ``ZmqControlPlane`` has one I/O thread, and that thread owns every zmq socket of the plane
 (zmq sockets are not thread-safe). ``send()`` from any thread appends to an outbox under a lock
 and wakes the thread through a socketpair registered in its ``zmq.Poller``; when idle the thread
@@ -72,7 +76,6 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvfsm.transport.base import AddPeer, Handler, Inbound, RemovePeer, TransportError
 from kvfsm.transport.zmq_bootstrap import (
-    LINGER_MS,
     MAX_HEADER,
     MAX_REQUEST,
     VERSION,
@@ -85,14 +88,18 @@ from kvfsm.transport.zmq_bootstrap import (
     is_int,
     load_json,
 )
+from kvfsm.transport.zmq_config import ZmqConfig
 
-__all__ = ["BootstrapClient", "BootstrapServer", "ZmqControlPlane"]
+__all__ = ["BootstrapClient", "BootstrapServer", "ZmqConfig", "ZmqControlPlane"]
 
 log = logging.getLogger(__name__)
 
 HELLO, MESSAGE, BYE = b"H", b"M", b"B"
 FRAMES = {HELLO: 3, MESSAGE: 2, BYE: 1}  # frames per kind, kind included, identity excluded
-HWM = 10_000  # messages queued per peer before sends are dropped (``dropped.hwm``)
+# A frame above every limit by this much makes zmq drop the connection (MAXMSGSIZE): a frame just
+# over a limit is still received, so that it is dropped and counted rather than cutting the link.
+_FRAME_SLACK = 64 << 10
+_RECONNECT_MS = 100  # the most a DEALER waits between attempts to reach a peer (less with faster heartbeats)
 _monitor_ids = itertools.count()
 
 
@@ -130,21 +137,19 @@ class ZmqControlPlane:
         rank: int = -1,
         bind: str = "tcp://127.0.0.1:*",
         peers: Mapping[str, str] | None = None,
-        heartbeat_s: float = 0.5,
-        peer_timeout_s: float = 3.0,
-        max_message: int = 16 << 20,  # as kvfsm.protocol.wire.MAX_MESSAGE: a room_pages of 10^6 pages fits
-        max_descriptor: int = 16 << 20,
+        config: ZmqConfig | None = None,
     ) -> None:
         if why := check_name(name):
             raise ValueError(f"plane name {name!r}: {why}")
-        if not 0 < heartbeat_s < peer_timeout_s:
-            raise ValueError("need 0 < heartbeat_s < peer_timeout_s")
         self.name = name
-        self.max_message = max_message
-        self.max_descriptor = max_descriptor
-        self.peer_timeout_s = peer_timeout_s
-        self._hb_ms = max(1, int(heartbeat_s * 1000))
-        self._timeout_ms = max(1, int(peer_timeout_s * 1000))
+        self.config = cfg = config or ZmqConfig()
+        self.max_message = cfg.max_message
+        self.max_descriptor = cfg.max_descriptor
+        self.peer_timeout_s = cfg.peer_timeout_s
+        self._hb_ms = max(1, int(cfg.heartbeat_s * 1000))
+        self._timeout_ms = max(1, int(cfg.peer_timeout_s * 1000))
+        self._linger_ms = int(cfg.linger_s * 1000)
+        self._queue_limit = cfg.queue_limit
         self._static = dict(peers or {})
         self._lock = threading.Lock()
         # shared with callers, under _lock
@@ -174,12 +179,13 @@ class ZmqControlPlane:
         self._bs_client: BootstrapClient | None = None
         try:
             self._tune(self._router)
-            self._router.setsockopt(zmq.MAXMSGSIZE, max(max_message, max_descriptor, MAX_HEADER) + (64 << 10))
-            self._router.setsockopt(zmq.RCVHWM, HWM)
+            frame_limit = max(cfg.max_message, cfg.max_descriptor, MAX_HEADER) + _FRAME_SLACK
+            self._router.setsockopt(zmq.MAXMSGSIZE, frame_limit)
+            self._router.setsockopt(zmq.RCVHWM, cfg.queue_limit)
             self._router.bind(bind)
             self.address: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
             if bootstrap is not None:
-                self._bs_client = BootstrapClient(bootstrap, timeout_s=max(1.0, peer_timeout_s))
+                self._bs_client = BootstrapClient(bootstrap, timeout_s=max(1.0, cfg.peer_timeout_s))
                 self._bs_client.register(name, self.address, side, rank)
                 self._bs_sock = self._ctx.socket(zmq.DEALER)
                 self._bs_sock.setsockopt(zmq.LINGER, 0)
@@ -272,7 +278,7 @@ class ZmqControlPlane:
         log.debug("%s: dropped %d (%s) for/from %r", self.name, n, reason, peer)
 
     def _tune(self, sock: zmq.Socket[bytes]) -> None:
-        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.setsockopt(zmq.LINGER, self._linger_ms)
         sock.setsockopt(zmq.HEARTBEAT_IVL, self._hb_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(self._hb_ms, self._timeout_ms - self._hb_ms))
         sock.setsockopt(zmq.HEARTBEAT_TTL, min(self._timeout_ms, 6_553_500))
@@ -352,7 +358,7 @@ class ZmqControlPlane:
             self._drop("lost_peer", name)
         elif self._bs_sock is None:
             self._drop("unknown_peer", name)
-        elif len(p.waiting) >= HWM:
+        elif len(p.waiting) >= self._queue_limit:
             self._drop("hwm", name)
         else:
             p.waiting.append(data)
@@ -373,8 +379,8 @@ class ZmqControlPlane:
         dealer = self._ctx.socket(zmq.DEALER)
         self._tune(dealer)
         dealer.setsockopt(zmq.ROUTING_ID, self.name.encode())
-        dealer.setsockopt(zmq.SNDHWM, HWM)
-        dealer.setsockopt(zmq.RECONNECT_IVL, min(100, self._hb_ms))
+        dealer.setsockopt(zmq.SNDHWM, self._queue_limit)
+        dealer.setsockopt(zmq.RECONNECT_IVL, min(_RECONNECT_MS, self._hb_ms))
         events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         monitor = dealer.get_monitor_socket(events, f"inproc://kvfsm-monitor-{next(_monitor_ids)}")
         p.dealer, p.monitor = dealer, monitor
@@ -595,7 +601,7 @@ class ZmqControlPlane:
                     p.dealer.send_multipart([BYE], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
-            self._close_dealer(p, linger=LINGER_MS)
+            self._close_dealer(p, linger=self._linger_ms)
         self._release()
 
     def _release(self) -> None:

@@ -33,7 +33,7 @@ MAX_HEADER = 4096  # bytes of a HELLO header or a bootstrap request/reply entry
 MAX_REQUEST = 64 << 10
 MAX_NAME = 255  # bytes: a zmq routing id
 MAX_ADDRESS = 1024
-LINGER_MS = 100  # how long close() lets queued BYEs and messages drain
+_MAX_REPLY = 64 << 20  # what a client accepts: a peers table of a large deployment
 
 
 def dump_json(obj: dict[str, Any]) -> bytes:
@@ -241,7 +241,7 @@ class BootstrapClient:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY)
         self._sock.connect(address)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -318,7 +318,7 @@ class BootstrapClient:
                     continue
                 frames = self._sock.recv_multipart()
                 try:
-                    reply = load_json(frames[0], 64 << 20) if len(frames) == 1 else None
+                    reply = load_json(frames[0], _MAX_REPLY) if len(frames) == 1 else None
                 except ValueError:
                     reply = None
                 if reply is None or reply.get("v") != VERSION or not isinstance(reply.get("ok"), bool):

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvfsm.config import ConfigError
 from kvfsm.transport.base import Inbound, Segment, TransportError
 from kvfsm.transport.loopback import Fabric, Faults, LoopbackEndpoint
 
@@ -727,3 +728,12 @@ def test_a_crash_keeps_the_completions_owed_to_survivors_for_writes_into_the_dea
     fab.crash("b")
     fab.pump()
     assert [(i.kind, i.tag) for i in got if i.kind == "completion"] == [("completion", "t1")]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("drop", -0.1), ("dup", 1.5), ("delay", "0.5"), ("max_delay", 0), ("max_delay", 2.0)],
+)
+def test_faults_refuse_out_of_range_values_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"Faults\.{field} = {value!r}: it must be"):
+        Faults(**{field: value})  # type: ignore[arg-type]

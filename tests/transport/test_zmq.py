@@ -16,15 +16,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 
+from kvfsm.config import ConfigError, reference
 from kvfsm.transport.base import Inbound, TransportError
-from kvfsm.transport.zmq import BootstrapClient, BootstrapServer, ZmqControlPlane
+from kvfsm.transport.zmq import BootstrapClient, BootstrapServer, ZmqConfig, ZmqControlPlane
 
-FAST = {"heartbeat_s": 0.1, "peer_timeout_s": 0.6}
+FAST = ZmqConfig(heartbeat_s=0.1, peer_timeout_s=0.6)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -86,8 +89,8 @@ def server() -> Iterator[BootstrapServer]:
 def make_plane() -> Iterator[Callable[..., ZmqControlPlane]]:
     made: list[ZmqControlPlane] = []
 
-    def make(name: str, **kw: object) -> ZmqControlPlane:
-        plane = ZmqControlPlane(name, **{**FAST, **kw})  # type: ignore[arg-type]
+    def make(name: str, config: ZmqConfig = FAST, **kw: Any) -> ZmqControlPlane:
+        plane = ZmqControlPlane(name, config=config, **kw)
         made.append(plane)
         return plane
 
@@ -325,7 +328,7 @@ def test_handler_errors_are_counted_and_delivery_goes_on(make_plane: Callable[..
 
 
 def test_oversize_send_is_dropped_locally(make_plane: Callable[..., ZmqControlPlane]) -> None:
-    a = make_plane("a", peers={"b": "tcp://127.0.0.1:1"}, max_message=10)
+    a = make_plane("a", peers={"b": "tcp://127.0.0.1:1"}, config=replace(FAST, max_message=10))
     a.send("b", b"x" * 11)
     assert a.stats() == {"dropped.oversize_local": 1}
 
@@ -374,7 +377,7 @@ def test_malformed_frames_are_dropped_counted_and_the_plane_keeps_working(
     case: str, make_plane: Callable[..., ZmqControlPlane]
 ) -> None:
     frames, counter = MALFORMED[case]
-    target = make_plane("target", max_message=1024, max_descriptor=4096)
+    target = make_plane("target", config=replace(FAST, max_message=1024, max_descriptor=4096))
     rec = Recorder()
     target.set_handler(rec)
     ctx = zmq.Context()
@@ -401,8 +404,9 @@ def test_malformed_frames_are_dropped_counted_and_the_plane_keeps_working(
 
 VICTIM = """
 import sys, time
-from kvfsm.transport.zmq import ZmqControlPlane
-plane = ZmqControlPlane(sys.argv[2], bootstrap=sys.argv[1], side="prefill", rank=0, heartbeat_s=0.1, peer_timeout_s=0.6)
+from kvfsm.transport.zmq import ZmqConfig, ZmqControlPlane
+fast = ZmqConfig(heartbeat_s=0.1, peer_timeout_s=0.6)
+plane = ZmqControlPlane(sys.argv[2], bootstrap=sys.argv[1], side="prefill", rank=0, config=fast)
 plane.attach_data(b"victim-descriptor", lambda peer, d: None, lambda peer: None)
 plane.set_handler(lambda item: item.kind == "message" and plane.send(item.peer, b"echo:" + item.data))
 print("ready", flush=True)
@@ -517,8 +521,8 @@ def test_graceful_close_is_a_loss_and_the_name_stays_lost(
 def test_close_leaves_no_threads_and_is_idempotent() -> None:
     before = set(threading.enumerate())
     srv = BootstrapServer()
-    a = ZmqControlPlane("a", bootstrap=srv.address, **FAST)
-    b = ZmqControlPlane("b", bootstrap=srv.address, **FAST)
+    a = ZmqControlPlane("a", bootstrap=srv.address, config=FAST)
+    b = ZmqControlPlane("b", bootstrap=srv.address, config=FAST)
     rb = Recorder()
     b.set_handler(rb)
     a.send("b", b"x")
@@ -538,9 +542,33 @@ def test_close_leaves_no_threads_and_is_idempotent() -> None:
 def test_constructor_rejects_bad_arguments_and_unreachable_bootstrap() -> None:
     with pytest.raises(ValueError, match="name"):
         ZmqControlPlane("")
-    with pytest.raises(ValueError, match="heartbeat"):
-        ZmqControlPlane("a", heartbeat_s=1.0, peer_timeout_s=0.5)
+    with pytest.raises(ConfigError, match="heartbeat"):
+        ZmqConfig(heartbeat_s=1.0, peer_timeout_s=0.5)
     before = set(threading.enumerate())
     with pytest.raises(TransportError, match="no reply"):
-        ZmqControlPlane("a", bootstrap=f"tcp://127.0.0.1:{free_port()}", **FAST)  # type: ignore[arg-type]
+        ZmqControlPlane("a", bootstrap=f"tcp://127.0.0.1:{free_port()}", config=FAST)
     assert set(threading.enumerate()) == before
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("heartbeat_s", 0),
+        ("peer_timeout_s", -1.0),
+        ("max_message", 0),
+        ("max_descriptor", 1.5),
+        ("queue_limit", True),
+        ("linger_s", -0.1),
+    ],
+)
+def test_config_refuses_out_of_range_values_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"ZmqConfig\.{field} = {value!r}: it must be"):
+        ZmqConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_config_documents_every_field_and_defaults_to_a_server_setting() -> None:
+    rows = {r.name: r for r in reference(ZmqConfig)}
+    assert list(rows) == ["heartbeat_s", "peer_timeout_s", "max_message", "max_descriptor", "queue_limit", "linger_s"]
+    assert all(r.doc and r.when and r.must for r in rows.values())
+    cfg = ZmqConfig()
+    assert cfg.heartbeat_s < cfg.peer_timeout_s and cfg.max_message == 16 << 20

@@ -1,4 +1,5 @@
-"""Test helpers for engines embedding kvfsm: a manual clock and a loopback cluster.
+"""Test helpers for engines embedding kvfsm: a manual clock and a loopback cluster; and, in
+``kvfsm.testing.conformance``, the checks every transport's control and data plane must pass.
 
 ``LoopbackCluster`` wires P prefill and D decode managers over one ``Fabric`` with seeded random
 KV contents, so a test can drive rooms step by step and check every byte at decode.
