@@ -80,10 +80,10 @@ class DataNet:
             for n in names:
                 self.planes[n] = self.fabric.endpoint(n)
         else:
-            from kvfsm.transport.nixl import NixlDataPlane
+            from kvfsm.transport.nixl import NixlConfig, NixlDataPlane
 
             for n in names:
-                self.planes[n] = NixlDataPlane(n, caller_posts=CALLER_POSTS[kind])
+                self.planes[n] = NixlDataPlane(n, config=NixlConfig(caller_posts=CALLER_POSTS[kind]))
         for n, p in self.planes.items():
             p.set_handler(self.rec.handler(n))
             p.register_memory(self.kv[n], self.aux[n], kv_block=KV_BLOCK, aux_block=AUX_BLOCK)
@@ -409,9 +409,11 @@ def test_registers_torch_tensors(data_net: DataNet) -> None:
         net.fabric = Fabric(0)
         net.planes = {n: net.fabric.endpoint(n) for n in ("x", "y")}
     else:
-        from kvfsm.transport.nixl import NixlDataPlane
+        from kvfsm.transport.nixl import NixlConfig, NixlDataPlane
 
-        net.planes = {n: NixlDataPlane(f"t-{n}", caller_posts=CALLER_POSTS[kind]) for n in ("x", "y")}
+        net.planes = {
+            n: NixlDataPlane(f"t-{n}", config=NixlConfig(caller_posts=CALLER_POSTS[kind])) for n in ("x", "y")
+        }
     try:
         names = {n: p.name for n, p in net.planes.items()}
         for n, p in net.planes.items():
