@@ -5,6 +5,7 @@ when nothing is in flight and are otherwise held back and folded."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -38,6 +39,42 @@ def test_notification_batches_round_trip(notes: list[bytes]) -> None:
 )
 def test_anything_but_a_well_formed_batch_is_one_notification(data: bytes) -> None:
     assert unpack_notifications(data) == [data]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("caller_posts", "sometimes"),
+        ("poller_sched", "idle"),
+        ("hold_writes", 0),
+        ("hold_bytes", -1),
+        ("hold_below", -1),
+        ("hold_below", 1.5),
+        ("large_write", 0),
+        ("busy_poll_s", 0),
+        ("tail_poll_s", -1e-6),
+        ("idle_poll_s", "fast"),
+        ("quiet_poll_s", 0.0),
+        ("hot_window_s", -0.1),
+        ("xfer_timeout_s", -1.0),
+        ("backend_params", {"ucx_error_handling_mode": 1}),
+    ],
+)
+def test_nixl_config_refuses_an_out_of_range_value_naming_its_field(field: str, value: object) -> None:
+    from kvfsm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"NixlConfig\.{field} = "):
+        NixlConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_nixl_config_documents_every_field_and_its_defaults_pass_their_checks() -> None:
+    from kvfsm.config import reference
+
+    rows = reference(NixlConfig)
+    assert [r.name for r in rows] == [f.name for f in dataclasses.fields(NixlConfig)]
+    assert all(r.doc and r.when and r.must for r in rows), [r.name for r in rows if not (r.doc and r.when and r.must)]
+    cfg = NixlConfig()
+    assert cfg.caller_posts == "auto" and cfg.hold_below < cfg.large_write
 
 
 def _job(op: str, peer: str, mems: tuple[str, str], total: int, tag: object, region: str | None = None) -> Any:
