@@ -344,11 +344,11 @@ def bench_nixl_path(
     every page is a segment of its own (block indices into the prepared lists). ``fast_rows``
     False: the prefill manager steps every chunk and completion generically."""
     from kvfsm.protocol import KVPoll
-    from kvfsm.transport.nixl import NixlDataPlane, RemoteRegion, encode_descriptor
+    from kvfsm.transport.nixl import NixlConfig, NixlDataPlane, RemoteRegion, encode_descriptor
 
     fab, p, d = _manager(rooms * chunks * per_chunk, 64)
     p.fast_rows = p.fast_rows and fast_rows
-    plane = NixlDataPlane("bench-stub", caller_posts="always")
+    plane = NixlDataPlane("bench-stub", config=NixlConfig(caller_posts="always"))
     stub = _StubAgent(30e-6)
     plane.agent = stub  # (the real agent it made is dropped unused)
     plane.register_memory(p.kv, p.aux, kv_block=64, aux_block=64)

@@ -7,7 +7,7 @@ with nothing else running, then kvfsm for every case (``--order blocks``, the de
 ``--order interleaved``, round after round per case, one repetition of raw NIXL, of the floor's
 and of each engine API, both sides' agents and kvfsm's threads alive throughout: the fields
 ``ratio_paired`` / ``ratio_many_paired`` then give the median of the rounds' ratios. A
-diagnostic, not the goal's measure: on the H200 pair raw NIXL's repetitions ran 6-29 % slower
+diagnostic, not the goal's measure: between two H200 GPUs raw NIXL's repetitions ran 6-29 % slower
 taken in turn, in four paired runs, which flatters kvfsm):
 
   raw    one NIXL agent per process (UCX, no progress thread, as the kvfsm data plane sets it
@@ -198,8 +198,9 @@ def raw_descriptors(
     transfer of its own. ``aux``: the initiator's and the target's aux buffer addresses. Each item
     is (kind, local, remote, descriptors)."""
     from kvfsm.runtime.manager import coalesce
-    from kvfsm.transport.nixl import HOST_TO_HOST as HOST
     from kvfsm.transport.nixl import use_prepped
+
+    HOST = ("DRAM", "DRAM")
 
     rooms, chunks = case["plan"]
     page = case["page"]
@@ -310,12 +311,14 @@ def floor_pass(
     API would move it, with no protocol: chunks handed over as ``send()`` hands them (every
     room's chunk c, then c + 1), each checked against the buffer and described as one byte range
     (a tuple per side) with a notification of its own, plus ``work_s`` of spinning; posted as
-    kvfsm's data plane posts a GPU's writes (at once while nothing is in flight or for a chunk of
-    ``HOLD_BELOW_BYTES`` or more, else held until ``FLUSH_JOBS`` writes or ``FLUSH_BYTES``, then
-    one folded transfer; the aux slots, another memory kind on a GPU, as one transfer at the
+    kvfsm's data plane posts a GPU's writes with its default ``NixlConfig`` (at once while nothing
+    is in flight or for a chunk of ``hold_below`` or more, else held until ``hold_writes`` writes or
+    ``hold_bytes``, then one folded transfer; the aux slots, another memory kind on a GPU, as one transfer at the
     end), the oldest transfers completed after each post, until the first still in progress.
     Returns (transfers, engine CPU seconds)."""
-    from kvfsm.transport.nixl import FLUSH_BYTES, FLUSH_JOBS, HOLD_BELOW_BYTES, pack_notifications
+    from kvfsm.transport.nixl import NixlConfig, pack_notifications
+
+    cfg = NixlConfig()
 
     rooms, chunks = case["plan"]
     page = case["page"]
@@ -364,9 +367,9 @@ def floor_pass(
                 hold(aux_mems, (aux[0] + r * AUX, AUX, 0), (aux[1] + r * AUX, AUX, 0), b"%d:aux" % r)
             if (
                 not inflight
-                or n >= HOLD_BELOW_BYTES
-                or len(held[kv_mems][0]) >= FLUSH_JOBS
-                or held_bytes >= FLUSH_BYTES
+                or n >= cfg.hold_below
+                or len(held[kv_mems][0]) >= cfg.hold_writes
+                or held_bytes >= cfg.hold_bytes
             ):
                 post(kv_mems)
                 held_bytes = 0
@@ -414,7 +417,7 @@ def _served(conn: Any, ci: int, one: Any, check: bool = False) -> tuple[float, i
     timed, and checked: ``one`` returns the transfers it posted and the target must count as
     many notifications; with ``check`` (a case's last repetition) the target then checks every
     byte written as it checks kvfsm's. Only then: a check between repetitions slowed raw NIXL's
-    next ones (H200 pair, 16 MiB: 2-11 % in three paired runs), as kvfsm's do not (pipelined,
+    next ones (two H200 GPUs, 16 MiB: 2-11 % in three paired runs), as kvfsm's do not (pipelined,
     it waits less on each copy). (seconds, transfers)."""
     conn.send(("go", ci, check))
     conn.recv()
@@ -475,25 +478,20 @@ def _check(dst: Any, expected: Any, case: dict[str, Any]) -> bool:
 
 def _kvfsm_endpoint(name: str, side: str, bootstrap: str, params: dict[str, str]) -> Any:
     from kvfsm.transport.base import SplitEndpoint
-    from kvfsm.transport.nixl import NixlDataPlane
+    from kvfsm.transport.nixl import NixlConfig, NixlDataPlane
     from kvfsm.transport.zmq import ZmqControlPlane
 
     ucx, knobs = _split_params(params)
     return SplitEndpoint(
         ZmqControlPlane(name, bootstrap=bootstrap, side=side, rank=0),
-        NixlDataPlane(name, backend_params=ucx, **knobs),
+        NixlDataPlane(name, config=NixlConfig(backend_params=ucx, **knobs)),
     )
 
 
 def _split_params(params: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
-    """UCX backend parameters, and ``--plane`` options of kvfsm's data plane (``plane.`` keys)."""
+    """UCX backend parameters, and ``--plane`` fields of kvfsm's ``NixlConfig`` (``plane.`` keys)."""
     ucx = {k: v for k, v in params.items() if not k.startswith("plane.")}
-    knobs: dict[str, Any] = {}
-    for k, v in params.items():
-        if k == "plane.progress_thread":
-            knobs["progress_thread"] = v.lower() in ("1", "y", "yes", "true")
-        elif k.startswith("plane."):
-            knobs[k[len("plane.") :]] = _number(v)
+    knobs = {k[len("plane.") :]: _number(v) for k, v in params.items() if k.startswith("plane.")}
     return ucx, knobs
 
 
@@ -738,8 +736,8 @@ class _KvfsmCase:
 def _same_pages(dst: Any, src: Any, sp: list[int], dp: list[int], page: int) -> bool:
     """Do ``dst``'s pages ``dp`` hold ``src``'s pages ``sp``? Run by run (pages adjacent on both
     sides), compared in place. Gathering each chunk's pages into temporaries instead (2 x 256 MiB
-    for a 256 MiB chunk, ~1 s on DRAM here) churned the target's memory: raw NIXL run right after
-    such checks (repetitions taken in turn, tried this way) moved 10-20 % less here."""
+    for a 256 MiB chunk, ~1 s on DRAM) churned the target's memory: raw NIXL run right after such
+    checks (repetitions taken in turn) moved 10-20 % less on a 2-vCPU host."""
     import torch
 
     from kvfsm.runtime.manager import coalesce
@@ -1043,8 +1041,8 @@ def main(argv: list[str] | None = None) -> int:
         "--plane",
         action="append",
         default=[],
-        help="kvfsm NixlDataPlane option KEY=VALUE: caller_posts=auto|always|never, flush_jobs, flush_bytes, hold_below, "
-        "thread_posts_from, progress_thread=1, busy_poll_s, idle_poll_s, hot_window_s",
+        help="a field of kvfsm's NixlConfig KEY=VALUE: caller_posts=auto|always|never, hold_writes, hold_bytes, "
+        "hold_below, large_write, busy_poll_s, tail_poll_s, idle_poll_s, hot_window_s, quiet_poll_s, poller_sched",
     )
     ap.add_argument("--sizes", help="comma-separated chunk sizes in KiB (default: 4 KiB ... 256 MiB)")
     ap.add_argument("--layouts", default="contig,scattered", help="contig, scattered or both")

@@ -124,12 +124,12 @@ def emit(event: str, **fields: Any) -> None:
 
 def _endpoint(cfg: ClusterConfig, side: str, rank: int, bootstrap: str) -> Any:
     from kvfsm.transport.base import SplitEndpoint
-    from kvfsm.transport.nixl import NixlDataPlane
+    from kvfsm.transport.nixl import NixlConfig, NixlDataPlane
     from kvfsm.transport.zmq import ZmqConfig, ZmqControlPlane
 
     host = cfg.prefill_host if side == "prefill" else cfg.decode_host
     name = f"{side}-{rank}"
-    data = NixlDataPlane(name, backend_params=cfg.ucx_params, caller_posts=cfg.caller_posts)
+    data = NixlDataPlane(name, config=NixlConfig(backend_params=cfg.ucx_params, caller_posts=cfg.caller_posts))
     control = ZmqControlPlane(
         name,
         bootstrap=bootstrap,

@@ -28,9 +28,9 @@ def loopback_data_planes(names: tuple[str, ...]) -> Planes[Any]:
 
 def nixl_data_planes(caller_posts: str) -> Callable[[tuple[str, ...]], Planes[Any]]:
     def make(names: tuple[str, ...]) -> Planes[Any]:
-        from kvfsm.transport.nixl import NixlDataPlane
+        from kvfsm.transport.nixl import NixlConfig, NixlDataPlane
 
-        return Planes({n: NixlDataPlane(n, caller_posts=caller_posts) for n in names})
+        return Planes({n: NixlDataPlane(n, config=NixlConfig(caller_posts=caller_posts)) for n in names})
 
     return make
 

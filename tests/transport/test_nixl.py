@@ -5,6 +5,7 @@ when nothing is in flight and are otherwise held back and folded."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvfsm.transport.base import Inbound, Segment
-from kvfsm.transport.nixl import BATCH_MAGIC, nixl_available, pack_notifications, unpack_notifications
+from kvfsm.transport.nixl import BATCH_MAGIC, NixlConfig, nixl_available, pack_notifications, unpack_notifications
 
 NIXL_MISSING = nixl_available()
 
@@ -40,8 +41,44 @@ def test_anything_but_a_well_formed_batch_is_one_notification(data: bytes) -> No
     assert unpack_notifications(data) == [data]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("caller_posts", "sometimes"),
+        ("poller_sched", "idle"),
+        ("hold_writes", 0),
+        ("hold_bytes", -1),
+        ("hold_below", -1),
+        ("hold_below", 1.5),
+        ("large_write", 0),
+        ("busy_poll_s", 0),
+        ("tail_poll_s", -1e-6),
+        ("idle_poll_s", "fast"),
+        ("quiet_poll_s", 0.0),
+        ("hot_window_s", -0.1),
+        ("xfer_timeout_s", -1.0),
+        ("backend_params", {"ucx_error_handling_mode": 1}),
+    ],
+)
+def test_nixl_config_refuses_an_out_of_range_value_naming_its_field(field: str, value: object) -> None:
+    from kvfsm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"NixlConfig\.{field} = "):
+        NixlConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_nixl_config_documents_every_field_and_its_defaults_pass_their_checks() -> None:
+    from kvfsm.config import reference
+
+    rows = reference(NixlConfig)
+    assert [r.name for r in rows] == [f.name for f in dataclasses.fields(NixlConfig)]
+    assert all(r.doc and r.when and r.must for r in rows), [r.name for r in rows if not (r.doc and r.when and r.must)]
+    cfg = NixlConfig()
+    assert cfg.caller_posts == "auto" and cfg.hold_below < cfg.large_write
+
+
 def _job(op: str, peer: str, mems: tuple[str, str], total: int, tag: object, region: str | None = None) -> Any:
-    from kvfsm.transport.nixl import _Job
+    from kvfsm.transport.nixl.plan import _Job
 
     job = _Job(op, peer, b"n", tag, total, mems, [], [])
     if region is not None:
@@ -52,7 +89,8 @@ def _job(op: str, peer: str, mems: tuple[str, str], total: int, tag: object, reg
 
 
 def test_fold_groups_by_key_keeps_each_keys_order_and_respects_the_limits() -> None:
-    from kvfsm.transport.nixl import MAX_BATCH, MAX_BATCH_BYTES, fold
+    from kvfsm.transport.nixl import MAX_BATCH, fold
+    from kvfsm.transport.nixl.plan import _MAX_BATCH_BYTES as MAX_BATCH_BYTES
 
     kv, aux = ("VRAM", "VRAM"), ("DRAM", "DRAM")
     # a room's KV writes (VRAM) and aux writes (DRAM) interleave in the queue, then two peers,
@@ -151,7 +189,7 @@ def test_queued_writes_fold_into_fewer_transfers_yet_notify_and_complete_one_by_
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, n = 4096, 64
-    a, b = NixlDataPlane("fold-a", caller_posts="never"), NixlDataPlane("fold-b")
+    a, b = NixlDataPlane("fold-a", config=NixlConfig(caller_posts="never")), NixlDataPlane("fold-b")
     src = np.random.default_rng(1).integers(0, 256, n * block, dtype=np.uint8)
     dst = np.zeros(n * block, dtype=np.uint8)
     got: list[Inbound] = []
@@ -195,7 +233,7 @@ def test_a_fold_never_merges_writes_of_two_regions_that_are_adjacent_in_memory()
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, slot = 4096, 64
-    a, b = NixlDataPlane("xreg-a", caller_posts="never"), NixlDataPlane("xreg-b")
+    a, b = NixlDataPlane("xreg-a", config=NixlConfig(caller_posts="never")), NixlDataPlane("xreg-b")
     src = np.random.default_rng(5).integers(0, 256, 4 * block + 4 * slot, dtype=np.uint8)
     dst = np.zeros(4 * block + 4 * slot, dtype=np.uint8)
     completions, done, on_a = _counting(2)
@@ -224,10 +262,11 @@ def test_a_batch_handler_gets_each_poll_rounds_items_in_one_call() -> None:
     its lock once for it): the completions of a folded transfer arrive together, as
     "completions" items (at most KICK_EVERY writes each while the posting thread copies host
     memory), each write's exactly once, and the per-item handler sees none of them."""
-    from kvfsm.transport.nixl import KICK_EVERY, NixlDataPlane
+    from kvfsm.transport.nixl import NixlDataPlane
+    from kvfsm.transport.nixl.poller import _KICK_EVERY as KICK_EVERY
 
     block, n = 4096, 48
-    a, b = NixlDataPlane("batch-a", caller_posts="never"), NixlDataPlane("batch-b")
+    a, b = NixlDataPlane("batch-a", config=NixlConfig(caller_posts="never")), NixlDataPlane("batch-b")
     src = np.random.default_rng(2).integers(0, 256, n * block, dtype=np.uint8)
     dst = np.zeros(n * block, dtype=np.uint8)
     single: list[Inbound] = []
@@ -267,7 +306,7 @@ def test_scattered_writes_fold_into_one_block_index_transfer() -> None:
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, per, n = 4096, 16, 24
-    a, b = NixlDataPlane("sfold-a", caller_posts="never"), NixlDataPlane("sfold-b")
+    a, b = NixlDataPlane("sfold-a", config=NixlConfig(caller_posts="never")), NixlDataPlane("sfold-b")
     src = np.random.default_rng(2).integers(0, 256, n * per * block, dtype=np.uint8)
     dst = np.zeros_like(src)
     notes: list[bytes] = []
@@ -295,17 +334,17 @@ def test_scattered_writes_fold_into_one_block_index_transfer() -> None:
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 @pytest.mark.parametrize("via", ["write", "write_run"])
-@pytest.mark.parametrize("flush_jobs", [4, 10_000], ids=["caller-flushes", "poller-flushes"])
-def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flush_jobs: int, via: str) -> None:
+@pytest.mark.parametrize("hold_writes", [4, 10_000], ids=["caller-flushes", "poller-flushes"])
+def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(hold_writes: int, via: str) -> None:
     """``caller_posts`` (device memory by default): the first write is posted before write()
     returns; writes made while a transfer is in flight are held back and go folded, posted by the
-    caller once ``flush_jobs`` are held or else by the poller's next round. Every write still
+    caller once ``hold_writes`` are held or else by the poller's next round. Every write still
     lands, notifies after its data and completes exactly once. ``write_run`` (the engine's
     leanest path) holds exactly as ``write`` does."""
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, n = 4096, 40
-    a = NixlDataPlane("held-a", caller_posts="always", flush_jobs=flush_jobs, flush_bytes=1 << 30)
+    a = NixlDataPlane("held-a", config=NixlConfig(caller_posts="always", hold_writes=hold_writes, hold_bytes=1 << 30))
     b = NixlDataPlane("held-b")
     src = np.random.default_rng(3).integers(0, 256, n * block, dtype=np.uint8)
     dst = np.zeros(n * block, dtype=np.uint8)
@@ -335,7 +374,7 @@ def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flus
         held = len(a._held)
         for name in pause:
             delattr(a, name)  # the class's methods again
-        assert held == (n - 1) % flush_jobs if flush_jobs < n else held == n - 1
+        assert held == (n - 1) % hold_writes if hold_writes < n else held == n - 1
         assert done.wait(20)
         deadline = time.monotonic() + 10
         while len(in_place) < n and time.monotonic() < deadline:
@@ -343,7 +382,7 @@ def test_caller_posted_writes_go_at_once_when_idle_else_are_held_and_folded(flus
         assert sorted(in_place) == list(range(n)), "a notification arrived before its data, or never"
         assert sorted(c.tag for c in completions) == [("h", i) for i in range(n)]
         assert all(c.ok for c in completions) and (dst == src).all()
-        assert a.stats["writes"] == n and 2 <= a.stats["transfers"] <= 1 + -(-(n - 1) // min(flush_jobs, n))
+        assert a.stats["writes"] == n and 2 <= a.stats["transfers"] <= 1 + -(-(n - 1) // min(hold_writes, n))
     finally:
         a.close()
         b.close()
@@ -361,7 +400,7 @@ def test_while_a_transfer_is_in_flight_small_writes_are_held_and_a_large_one_goe
     block = 4096
     sizes = [1, 1, 1, 1, 2, 1, 2]  # blocks per write, in order: 2 blocks is "large" here
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    a = NixlDataPlane("hold-a", caller_posts="always", hold_below=2 * block)
+    a = NixlDataPlane("hold-a", config=NixlConfig(caller_posts="always", hold_below=2 * block))
     b = NixlDataPlane("hold-b")
     src = np.random.default_rng(8).integers(0, 256, sum(sizes) * block, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -413,7 +452,7 @@ def test_a_large_write_takes_only_the_held_writes_that_fold_with_it() -> None:
     from kvfsm.transport.nixl import NixlDataPlane
 
     block = 4096
-    a = NixlDataPlane("apart-a", caller_posts="always", hold_below=2 * block)
+    a = NixlDataPlane("apart-a", config=NixlConfig(caller_posts="always", hold_below=2 * block))
     b, c = NixlDataPlane("apart-b"), NixlDataPlane("apart-c")
     src = np.random.default_rng(12).integers(0, 256, 8 * block, dtype=np.uint8)
     to_b, to_c = np.zeros_like(src), np.zeros_like(src)
@@ -469,7 +508,7 @@ def test_flush_posts_the_held_writes_at_once_and_their_completions_follow() -> N
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, n = 4096, 6
-    a = NixlDataPlane("flush-a", caller_posts="always", busy_poll_s=60.0, flush_jobs=1000)
+    a = NixlDataPlane("flush-a", config=NixlConfig(caller_posts="always", busy_poll_s=60.0, hold_writes=1000))
     b = NixlDataPlane("flush-b")
     src = np.random.default_rng(5).integers(0, 256, n * block, dtype=np.uint8)
     dst = np.zeros(n * block, dtype=np.uint8)
@@ -529,7 +568,7 @@ def test_after_a_flush_the_poller_watches_the_transfers_closely_until_the_next_w
     from kvfsm.transport.nixl import NixlDataPlane
 
     block = 4096
-    a = NixlDataPlane("tail-a", caller_posts="always", busy_poll_s=60.0, tail_poll_s=0.001)
+    a = NixlDataPlane("tail-a", config=NixlConfig(caller_posts="always", busy_poll_s=60.0, tail_poll_s=0.001))
     b = NixlDataPlane("tail-b")
     src = np.random.default_rng(6).integers(0, 256, 4 * block, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -581,12 +620,11 @@ def test_the_poller_leaves_the_transfers_to_a_caller_that_posts_and_checks_them_
     per post here, every transfer in flight), the poller's rounds do not check them (the caller
     completes them at its next post); ``busy_poll_s`` after the caller's last check they do
     again, so a transfer whose caller went quiet is still completed."""
-    from kvfsm.transport import nixl
-    from kvfsm.transport.nixl import NixlDataPlane
+    from kvfsm.transport.nixl import NixlDataPlane, poller
 
-    monkeypatch.setattr(nixl, "FULL_SCAN_S", 60.0)  # (full scans check everything: none here)
+    monkeypatch.setattr(poller, "_FULL_SCAN_S", 60.0)  # (full scans check everything: none here)
     block = 4096
-    a = NixlDataPlane("defer-a", caller_posts="always", hold_below=0, busy_poll_s=0.02)
+    a = NixlDataPlane("defer-a", config=NixlConfig(caller_posts="always", hold_below=0, busy_poll_s=0.02))
     b = NixlDataPlane("defer-b")
     src = np.random.default_rng(11).integers(0, 256, 64 * block, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -618,7 +656,7 @@ def test_close_wakes_a_poller_asleep_between_busy_rounds() -> None:
     from kvfsm.transport.nixl import NixlDataPlane
 
     block = 4096
-    a = NixlDataPlane("close-a", caller_posts="always", busy_poll_s=60.0)
+    a = NixlDataPlane("close-a", config=NixlConfig(caller_posts="always", busy_poll_s=60.0))
     b = NixlDataPlane("close-b")
     src = np.random.default_rng(8).integers(0, 256, 2 * block, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -660,13 +698,13 @@ def _hold_then_wait(plane: Any, first: Any, last: Any, posting: bool = False) ->
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_a_posting_caller_does_not_wait_for_the_agent_but_holds_its_writes_up_to_a_limit() -> None:
     """While another thread is inside a NIXL call (the agent's lock taken), a caller that would
-    post holds its writes instead of waiting; at HOLD_LIMIT x flush_jobs held it waits. The held
+    post holds its writes instead of waiting; at ``hold_writes`` held it waits. The held
     writes are posted once the agent is free, and each completes once."""
-    from kvfsm.transport.nixl import HOLD_LIMIT, NixlDataPlane
+    from kvfsm.transport.nixl import NixlDataPlane
 
     block, flush = 4096, 2
-    n = HOLD_LIMIT * flush
-    a = NixlDataPlane("busy-a", caller_posts="always", flush_jobs=flush)
+    n = flush
+    a = NixlDataPlane("busy-a", config=NixlConfig(caller_posts="always", hold_writes=flush))
     b = NixlDataPlane("busy-b")
     src = np.random.default_rng(4).integers(0, 256, n * block, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -693,14 +731,14 @@ def test_a_posting_caller_does_not_wait_for_the_agent_but_holds_its_writes_up_to
 def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_for_the_agent() -> None:
     """While a post is under way (on host memory the posting thread copies for as long as the copy
     takes), a caller's ``write_many`` holds its caller-posted writes rather than waiting for the
-    agent, as ``write`` does; a batch that brings the held writes to HOLD_LIMIT x flush_jobs waits,
+    agent, as ``write`` does; a batch that brings the held writes to ``hold_writes`` waits,
     whatever keeps the agent busy (here the poller's status check, with no post under way). Once
     the agent is free every held write is posted and completes once."""
-    from kvfsm.transport.nixl import HOLD_LIMIT, NixlDataPlane
+    from kvfsm.transport.nixl import NixlDataPlane
 
     block, flush = 4096, 2
-    n = HOLD_LIMIT * flush
-    a = NixlDataPlane("busymany-a", caller_posts="always", flush_jobs=flush)
+    n = flush
+    a = NixlDataPlane("busymany-a", config=NixlConfig(caller_posts="always", hold_writes=flush))
     b = NixlDataPlane("busymany-b")
     src = np.random.default_rng(6).integers(0, 256, (n + flush) * block, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -724,7 +762,7 @@ def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_f
         )
         assert returned and held == n - 1, "below the limit write_many holds its writes"
         assert waited, "at the limit write_many should wait for the agent"
-        # (a batch of flush_jobs writes: a smaller one would be held while a transfer is in flight)
+        # (a batch of hold_writes writes: a smaller one would be held while a transfer is in flight)
         other = threading.Thread(target=lambda: results.append(a.write_many(batch(n, n + flush))))
         with a._lock:  # as if the poller were inside a status check: no post under way
             other.start()
@@ -746,15 +784,18 @@ def test_write_many_holds_its_batch_during_a_post_up_to_a_limit_and_else_waits_f
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_write_many_holds_small_writes_while_the_agent_is_busy_and_waits_with_a_large_one() -> None:
     """The agent busy with a status check (no post under way), a ``write_many`` batch past the
-    Nagle limit (here ``flush_bytes``) whose writes are all below ``hold_below`` is held, as
-    ``write`` holds such writes, until ``HOLD_LIMIT`` x ``flush_jobs`` writes are held; a batch
+    Nagle limit (here ``hold_bytes``) whose writes are all below ``hold_below`` is held, as
+    ``write`` holds such writes, until ``hold_writes`` writes are held; a batch
     with a write of ``hold_below`` or more waits for the agent (holding it would leave the link
     idle). Once the agent is free every write is posted and completes once."""
-    from kvfsm.transport.nixl import HOLD_LIMIT, NixlDataPlane
+    from kvfsm.transport.nixl import NixlDataPlane
 
     block, flush = 4096, 4
-    limit = HOLD_LIMIT * flush
-    a = NixlDataPlane("smallmany-a", caller_posts="always", flush_jobs=flush, flush_bytes=block, hold_below=4 * block)
+    limit = flush
+    a = NixlDataPlane(
+        "smallmany-a",
+        config=NixlConfig(caller_posts="always", hold_writes=flush, hold_bytes=block, hold_below=4 * block),
+    )
     b = NixlDataPlane("smallmany-b")
     total = limit + 4
     src = np.random.default_rng(9).integers(0, 256, total * block, dtype=np.uint8)
@@ -780,9 +821,9 @@ def test_write_many_holds_small_writes_while_the_agent_is_busy_and_waits_with_a_
         _connect(a, b, src, dst, block, on_a, lambda item: None)
         vars(a).update({"_progress": lambda *args: None, "_flush_held": lambda: None})  # the poller stays out
         time.sleep(0.05)
-        assert runs(lambda: a.write_many(batch(0, limit - 1))), "small writes past flush_bytes: held"
+        assert runs(lambda: a.write_many(batch(0, limit - 1))), "small writes past hold_bytes: held"
         assert len(a._held) == limit - 1
-        assert not runs(lambda: a.write_many(batch(limit - 1, limit))), "at HOLD_LIMIT x flush_jobs: it waits"
+        assert not runs(lambda: a.write_many(batch(limit - 1, limit))), "at hold_writes: it waits"
         assert not a._held
         assert not runs(lambda: a.write_many(batch(limit, limit + 1, 4 * block))), "a large write waits"
         for name in ("_progress", "_flush_held"):
@@ -803,7 +844,7 @@ def test_a_plane_told_to_expect_no_traffic_polls_rarely_until_told_otherwise() -
     from kvfsm.transport.nixl import NixlDataPlane
 
     block = 4096
-    a, b = NixlDataPlane("quiet-a"), NixlDataPlane("quiet-b", quiet_poll_s=60.0)
+    a, b = NixlDataPlane("quiet-a"), NixlDataPlane("quiet-b", config=NixlConfig(quiet_poll_s=60.0))
     src = np.random.default_rng(7).integers(0, 256, 2 * block, dtype=np.uint8)
     dst = np.zeros_like(src)
     arrived = threading.Event()
@@ -831,7 +872,7 @@ def test_a_plane_expecting_no_traffic_collects_notifications_only_in_full_rounds
     from kvfsm.transport.nixl import NixlDataPlane
 
     block = 4096
-    a, b = NixlDataPlane("notif-a", quiet_poll_s=60.0), NixlDataPlane("notif-b")
+    a, b = NixlDataPlane("notif-a", config=NixlConfig(quiet_poll_s=60.0)), NixlDataPlane("notif-b")
     src = np.random.default_rng(3).integers(0, 256, 2 * block, dtype=np.uint8)
     dst = np.zeros_like(src)
     try:
@@ -865,10 +906,14 @@ def test_a_plane_expecting_no_traffic_collects_notifications_only_in_full_rounds
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_auto_lets_the_caller_post_device_and_tiny_host_writes_and_the_thread_the_rest() -> None:
-    from kvfsm.transport.nixl import SMALL_HOST_BYTES, NixlDataPlane
+    from kvfsm.transport.nixl import NixlDataPlane
+    from kvfsm.transport.nixl.posting import _SMALL_HOST_BYTES as SMALL_HOST_BYTES
 
     dram, vram = ("DRAM", "DRAM"), ("VRAM", "VRAM")
-    planes = {mode: NixlDataPlane(f"route-{mode}", caller_posts=mode) for mode in ("auto", "always", "never")}
+    planes = {
+        mode: NixlDataPlane(f"route-{mode}", config=NixlConfig(caller_posts=mode))
+        for mode in ("auto", "always", "never")
+    }
     try:
         cases = {
             "device range": _job("WRITE", "d", vram, 1 << 20, 0),
@@ -877,7 +922,7 @@ def test_auto_lets_the_caller_post_device_and_tiny_host_writes_and_the_thread_th
             "host copy": _job("WRITE", "d", dram, SMALL_HOST_BYTES + 1, 3),
             "device block indices": _job("WRITE", "d", vram, 4096, 4, region="kv"),
         }
-        routed = {name: planes["auto"]._caller_posts(job) for name, job in cases.items()}
+        routed = {name: planes["auto"]._caller_posts(job, True) for name, job in cases.items()}
         assert routed == {
             "device range": True,
             "device to host": True,
@@ -885,10 +930,10 @@ def test_auto_lets_the_caller_post_device_and_tiny_host_writes_and_the_thread_th
             "host copy": False,  # UCX copies inside the post: the posting thread is the copy engine
             "device block indices": False,  # per-descriptor CPU in the post: overlapped on the thread
         }
-        assert all(planes["always"]._caller_posts(j) for j in cases.values())
-        assert not any(planes["never"]._caller_posts(j) for j in cases.values())
+        assert all(planes["always"]._caller_posts(j, True) for j in cases.values())
+        assert not any(planes["never"]._caller_posts(j, True) for j in cases.values())
         with pytest.raises(ValueError, match="caller_posts"):
-            NixlDataPlane("route-bad", caller_posts="sometimes")
+            NixlConfig(caller_posts="sometimes")
     finally:
         for p in planes.values():
             p.close()
@@ -896,16 +941,19 @@ def test_auto_lets_the_caller_post_device_and_tiny_host_writes_and_the_thread_th
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_auto_hands_a_lone_large_device_write_to_the_thread_only_while_the_link_is_busy() -> None:
-    """ "auto": a lone device write of ``thread_posts_from`` bytes or more (``write``,
+    """ "auto": a lone device write of ``large_write`` bytes or more (``write``,
     ``write_run``) goes to the posting thread while a transfer is in flight or queued (its NIXL
     calls then overlap the engine's Python), the caller posts it when nothing is (the link waits
     for no hand-off), and smaller ones the caller posts either way; ``write_many``'s and
     ``caller_posts="always"``'s stay with the caller. (Device memory cannot be registered here:
     the route and the transfer in flight are set by hand, and the poller finds it in progress.)"""
-    from kvfsm.transport.nixl import THREAD_POSTS_FROM, NixlDataPlane, Segment, _Route
+    from kvfsm.transport.nixl import NixlDataPlane
+    from kvfsm.transport.nixl.plan import _Route
+
+    large = NixlConfig().large_write
 
     vram = ("VRAM", "VRAM")
-    planes = [NixlDataPlane("lone-auto"), NixlDataPlane("lone-always", caller_posts="always")]
+    planes = [NixlDataPlane("lone-auto"), NixlDataPlane("lone-always", config=NixlConfig(caller_posts="always"))]
     try:
         seen: list[tuple[str, int]] = []
         for p in planes:
@@ -919,7 +967,7 @@ def test_auto_hands_a_lone_large_device_write_to_the_thread_only_while_the_link_
             )
             p._routes[("d", "kv")] = _Route(0, 1 << 40, 0, 0, 1 << 40, 1, vram)
         auto, always = planes
-        big, small = THREAD_POSTS_FROM, THREAD_POSTS_FROM - 1
+        big, small = large, large - 1
 
         def lone(p: NixlDataPlane) -> list[str]:
             seen.clear()
@@ -951,14 +999,14 @@ def test_auto_hands_a_lone_large_device_write_to_the_thread_only_while_the_link_
 @pytest.mark.parametrize("caller_posts", ["always", "never"])
 def test_write_many_posts_a_batch_together_and_refuses_only_its_bad_writes(caller_posts: str) -> None:
     """``write_many``: each write is validated on its own (a bad one gets its TransportError in the
-    result and moves nothing; the others go on). Posted by the caller, a batch of ``flush_jobs``
+    result and moves nothing; the others go on). Posted by the caller, a batch of ``hold_writes``
     writes or more goes at once and folded into one transfer, although a transfer is in flight;
     either way every good write lands, notifies after its data and completes once."""
     from kvfsm.transport.base import TransportError
     from kvfsm.transport.nixl import NixlDataPlane
 
     block, n = 4096, 24
-    a = NixlDataPlane(f"many-a-{caller_posts}", caller_posts=caller_posts, flush_jobs=8)
+    a = NixlDataPlane(f"many-a-{caller_posts}", config=NixlConfig(caller_posts=caller_posts, hold_writes=8))
     b = NixlDataPlane(f"many-b-{caller_posts}")
     peer = b.name
     src = np.random.default_rng(5).integers(0, 256, n * block, dtype=np.uint8)
@@ -1037,7 +1085,8 @@ def test_flush_during_a_host_copy_returns_and_the_posting_thread_posts_the_held_
     at once rather than wait out the copy for the agent; the posting thread posts the held write
     as soon as its copy ends, before anyone else takes the agent. Both writes land, notify and
     complete once."""
-    from kvfsm.transport.nixl import SMALL_HOST_BYTES, NixlDataPlane
+    from kvfsm.transport.nixl import NixlDataPlane
+    from kvfsm.transport.nixl.posting import _SMALL_HOST_BYTES as SMALL_HOST_BYTES
 
     block = 4096
     big, small = 64 * block, SMALL_HOST_BYTES  # auto: the posting thread copies one, the caller posts the other
@@ -1121,9 +1170,9 @@ def test_the_poller_takes_sched_batch_where_cpus_copy_the_kv_and_no_other_thread
     elif kv_on == "cpu":
         kv = np.zeros(1 << 16, np.uint8)
     with pytest.raises(ValueError, match="poller_sched"):
-        NixlDataPlane("sched-bad", poller_sched="idle")
+        NixlConfig(poller_sched="idle")
     mine = os.sched_getscheduler(0)
-    a = NixlDataPlane(f"sched-{sched}-{kv_on}", poller_sched=sched)
+    a = NixlDataPlane(f"sched-{sched}-{kv_on}", config=NixlConfig(poller_sched=sched))
     try:
         if kv is not None:
             a.register_memory(kv, np.zeros(64, np.uint8), kv_block=4096, aux_block=64)

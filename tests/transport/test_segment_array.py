@@ -13,9 +13,6 @@ from hypothesis import strategies as st
 
 from kvfsm.runtime.manager import COALESCE_ARRAY_MIN, as_pages, coalesce
 from kvfsm.transport.base import Segment, SegmentArray, TransportError, check_segments
-from kvfsm.transport.nixl import nixl_available
-
-NIXL_MISSING = nixl_available()
 
 segments_st = st.lists(st.builds(Segment, st.integers(-3, 200), st.integers(-3, 200), st.integers(-3, 60)), max_size=12)
 
@@ -90,40 +87,33 @@ def test_coalesce_gives_the_maximal_runs_whatever_its_form(pairs: tuple[list[int
         assert isinstance(got, SegmentArray) == (len(src) >= COALESCE_ARRAY_MIN and not one_run)
 
 
-@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 def test_block_indices_from_arrays_match_the_per_segment_reference() -> None:
     """Random writes and reads of block-aligned runs (one block or several each), as Segments and
     as a SegmentArray: the same indices as a run-by-run expansion; any misaligned segment, or
     too few runs for the prepared lists to pay, gives None."""
-    from kvfsm.transport.nixl import NixlDataPlane, RemoteRegion, _Peer, use_prepped
+    from kvfsm.transport.nixl.plan import _block_indices, use_prepped
 
     block = 64
-    plane = NixlDataPlane("blocks-a")
-    try:
-        plane._blocks["kv"] = block
-        peer = _Peer("b", {"kv": RemoteRegion(0, 1 << 30, 0, "DRAM", block)}, prepped={"kv": object()})
-        rng = random.Random(11)
-        for trial in range(300):
-            n = rng.randint(1, 40)
-            counts = [rng.choice([1, 1, 1, 2, 3]) for _ in range(n)]
-            segs = [Segment(rng.randrange(1000) * block, rng.randrange(1000) * block, c * block) for c in counts]
-            if trial % 5 == 0:  # one misaligned segment
-                k = rng.randrange(n)
-                segs[k] = Segment(segs[k].src + rng.choice([0, 1]), segs[k].dst + 1, segs[k].length)
-            op = rng.choice(["WRITE", "READ"])
-            expected = None
-            aligned = all(not (s.src % block or s.dst % block or s.length % block) for s in segs)
-            if aligned and use_prepped(n, sum(counts)):
-                pick = (lambda s: (s.src, s.dst)) if op == "WRITE" else (lambda s: (s.dst, s.src))
-                lidx = [lo // block + i for s in segs for lo in [pick(s)[0]] for i in range(s.length // block)]
-                ridx = [ro // block + i for s in segs for ro in [pick(s)[1]] for i in range(s.length // block)]
-                expected = (lidx, ridx)
-            for form in (segs, SegmentArray.of(segs)):
-                got = plane._block_indices(op, "kv", peer, form)
-                if expected is None:
-                    assert got is None
-                else:
-                    assert got is not None and got[0].dtype == np.int32
-                    assert (got[0].tolist(), got[1].tolist()) == expected
-    finally:
-        plane.close()
+    rng = random.Random(11)
+    for trial in range(300):
+        n = rng.randint(1, 40)
+        counts = [rng.choice([1, 1, 1, 2, 3]) for _ in range(n)]
+        segs = [Segment(rng.randrange(1000) * block, rng.randrange(1000) * block, c * block) for c in counts]
+        if trial % 5 == 0:  # one misaligned segment
+            k = rng.randrange(n)
+            segs[k] = Segment(segs[k].src + rng.choice([0, 1]), segs[k].dst + 1, segs[k].length)
+        op = rng.choice(["WRITE", "READ"])
+        expected = None
+        aligned = all(not (s.src % block or s.dst % block or s.length % block) for s in segs)
+        if aligned and use_prepped(n, sum(counts)):
+            pick = (lambda s: (s.src, s.dst)) if op == "WRITE" else (lambda s: (s.dst, s.src))
+            lidx = [lo // block + i for s in segs for lo in [pick(s)[0]] for i in range(s.length // block)]
+            ridx = [ro // block + i for s in segs for ro in [pick(s)[1]] for i in range(s.length // block)]
+            expected = (lidx, ridx)
+        for form in (segs, SegmentArray.of(segs)):
+            got = _block_indices(op, block, form)
+            if expected is None:
+                assert got is None
+            else:
+                assert got is not None and got[0].dtype == np.int32
+                assert (got[0].tolist(), got[1].tolist()) == expected
