@@ -397,8 +397,9 @@ def run_cluster(cfg: ClusterConfig, kill_prefill: int | None = None, kill_at_wav
                     and ev.get("wave") == kill_at_wave
                     and ev.get("chunk") == 0
                 ):
-                    os.kill(proc.popen.pid, signal.SIGKILL)
+                    # the time before the kill: decode may conclude before os.kill returns
                     killed_at = time.time()
+                    os.kill(proc.popen.pid, signal.SIGKILL)
                     waiting.discard(label)
                 elif kind == "garbage":
                     problems.append(f"{label} printed a non-JSON line: {ev['line']!r}")
