@@ -159,6 +159,7 @@ class MsgpackCodec(Codec):
                 [("v", int), *((f, _MSGPACK_TYPES[t]) for f, t in declared.items())],
                 tag=bid,
                 array_like=True,
+                forbid_unknown_fields=True,  # (for an array: no trailing elements)
                 frozen=True,
             )
             self._packed[name] = struct_type

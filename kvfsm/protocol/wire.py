@@ -337,23 +337,26 @@ class Codec:
 
 def _binary_reader(cls: type[Any], layout: struct.Struct, types: list[str]) -> Callable[[bytes], Message]:
     """``data -> message`` for the binary layout of ``cls`` (its header already matched): the
-    exact length, then the checks beyond the layout's (a bool is 0 or 1, a u64 below 2**63)."""
-    size, unpack, name = layout.size, layout.unpack, cls.TYPE
-    bools = tuple(3 + i for i, t in enumerate(types) if t == "bool")
-    u64s = tuple(3 + i for i, t in enumerate(types) if t == "u64")
+    exact length, then the checks beyond the layout's: a u64 below 2**63, and a bool's byte 0 or
+    1, looked at in the bytes, so that the fields unpack with ``?`` straight into bools (no list
+    to convert them in: chunk_written is decoded once per chunk)."""
+    size, name = layout.size, cls.TYPE
+    unpack_body = struct.Struct("<" + "".join("?" if t == "bool" else _BINARY_FORMATS[t] for t in types)).unpack_from
+    offsets = [struct.calcsize(_HEADER + "".join(_BINARY_FORMATS[t] for t in types[:i])) for i in range(len(types))]
+    bool_bytes = tuple((offsets[i], i) for i, t in enumerate(types) if t == "bool")
+    u64s = tuple(i for i, t in enumerate(types) if t == "u64")
 
     def read(data: bytes) -> Message:
         if len(data) != size:
             raise MalformedMessage(f"{name}: {len(data)} bytes, the binary layout has {size}")
-        values = list(unpack(data))
+        for at, i in bool_bytes:
+            if data[at] > 1:
+                raise MalformedMessage(f"{name}: field {i}: expected a boolean (0 or 1), got {data[at]}")
+        values = unpack_body(data, 4)
         for i in u64s:
             if values[i] >= U64:
-                raise MalformedMessage(f"{name}: field {i - 3}: expected an integer in [0, {U64})")
-        for i in bools:
-            if values[i] > 1:
-                raise MalformedMessage(f"{name}: field {i - 3}: expected a boolean (0 or 1), got {values[i]}")
-            values[i] = values[i] == 1
-        msg: Message = cls(*values[3:])
+                raise MalformedMessage(f"{name}: field {i}: expected an integer in [0, {U64})")
+        msg: Message = cls(*values)
         return msg
 
     return read
