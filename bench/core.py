@@ -12,6 +12,11 @@
             pages as a list, numpy array or range; baseline: a 16-page chunk held the same way.
   announce  µs to encode + decode a decode rank's room_pages of 256 / 2,048 / 8,192 pages in one
             run, sent as the run; baseline: the same pages as a JSON array.
+  codec     µs per encode and per decode of each wire message through ``Codec`` (control
+            messages: msgspec typed Structs; notifications: the fixed ``struct`` layout, and
+            ``pack_us`` for ``Codec.packer``, the runtime's per-chunk path); baselines, equally
+            strict (bench/wire_baselines.py): ``stdlib_json_*`` the hand-written ``json`` codec
+            for control messages, ``msgpack_*`` msgspec msgpack arrays for notifications.
   nixl_path µs of CPU per 16- and 256-page chunk through runtime + ``NixlDataPlane`` whose agent
             is a stub (every call returns at once; a transfer is DONE 30 µs after its post, as a
             1 MiB copy over NVLink): the interpreter's share of a chunk, which bounds a GPU's
@@ -513,6 +518,90 @@ def bench_announce(sizes: tuple[int, ...], reps: int) -> dict[str, Any]:
     return out
 
 
+def _codec_samples() -> list[tuple[str, Any]]:
+    """One message of each type, as the runtime sends them (room_pages twice: a run of 256 pages
+    and 256 pages that are no run)."""
+    from kvfsm.protocol.pages import PageRun
+    from kvfsm.protocol.wire import (
+        AbortNotice,
+        AuxWritten,
+        ChunkWritten,
+        Drained,
+        Register,
+        RegisterAck,
+        RoomFailed,
+        RoomPages,
+    )
+
+    room = 0x1234_5678_9ABC  # a bootstrap room id of SGLang's size
+    return [
+        ("register", Register(3, "kvfsm-decode-3", 1 << 20, 64 << 10, 1024, 4096)),
+        ("register_ack", RegisterAck(1, 64 << 10, 4096, True, "")),
+        ("room_pages_run_256", RoomPages(room, 3, PageRun(4096, 256), 17, 1)),
+        ("room_pages_array_256", RoomPages(room, 3, tuple(range(0, 512, 2)), 17, 1)),
+        ("abort", AbortNotice(room, 3, "decode", "request cancelled by the engine")),
+        ("room_failed", RoomFailed(room, 1, "transfer failed: peer d3 lost")),
+        ("drained", Drained(room, 1)),
+        ("chunk_written", ChunkWritten(room, 1, 17, False, 272, 16)),
+        ("aux_written", AuxWritten(room, 1)),
+    ]
+
+
+def bench_codec(reps: int, loops: int = 2000) -> dict[str, Any]:
+    """``codec`` (see the module docstring): each codec and operation timed over ``loops`` calls,
+    the codecs interleaved within every one of ``reps`` rounds (so each sees the same machine
+    conditions); best round of each. ``speedup`` is baseline over ``Codec`` per operation."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from wire_baselines import MsgpackCodec, StdlibJsonCodec
+
+    codec = Protocol().codec
+    spec = Protocol().spec
+    args = (
+        spec.version,
+        {n: m.fields for n, m in spec.messages.items()},
+        {n: m.binary_id for n, m in spec.messages.items() if m.binary_id is not None},
+    )
+    stdlib, msgpack = StdlibJsonCodec(*args), MsgpackCodec(*args)
+
+    def timed(fn: Any, arg: Any, star: bool = False) -> float:
+        t = time.perf_counter()
+        if star:
+            for _ in range(loops):
+                fn(*arg)
+        else:
+            for _ in range(loops):
+                fn(arg)
+        return (time.perf_counter() - t) / loops * 1e6
+
+    out: dict[str, Any] = {}
+    for label, msg in _codec_samples():
+        binary = spec.messages[msg.TYPE].binary_id is not None
+        name, base = ("msgpack", msgpack) if binary else ("stdlib_json", stdlib)
+        values = tuple(getattr(msg, f) for f in spec.messages[msg.TYPE].fields)
+        wire, base_wire = codec.encode(msg), base.encode(msg)
+        assert codec.decode(wire) == msg and base.decode(base_wire) == msg
+        cases: dict[str, tuple[Any, Any, bool]] = {
+            "encode_us": (codec.encode, msg, False),
+            "decode_us": (codec.decode, wire, False),
+            f"{name}_encode_us": (base.encode, msg, False),
+            f"{name}_decode_us": (base.decode, base_wire, False),
+        }
+        if binary:
+            cases["pack_us"] = (codec.packer(msg.TYPE), values, True)
+            cases[f"{name}_pack_us"] = (base.packer(msg.TYPE), values, True)
+        best = dict.fromkeys(cases, float("inf"))
+        gc.disable()
+        for _ in range(reps):
+            for key, (fn, arg, star) in cases.items():
+                best[key] = min(best[key], timed(fn, arg, star))
+        gc.enable()
+        row: dict[str, Any] = {"baseline": name, "bytes": len(wire), f"{name}_bytes": len(base_wire), **best}
+        for op in ("encode", "decode", "pack") if binary else ("encode", "decode"):
+            row[f"{op}_speedup"] = best[f"{name}_{op}_us"] / best[f"{op}_us"]
+        out[label] = row
+    return out
+
+
 def bench_churn(populations: list[int], batch: int = 2000) -> dict[str, Any]:
     from transitions import Machine
 
@@ -640,6 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_path": bench_notifications(256 if q else 4096, reps=2 if q else 5),
         "long_chunks": bench_long_chunks((256,) if q else (1024, 4096), reps=2 if q else 5),
         "announce": bench_announce((256, 2048) if q else (256, 2048, 8192), reps=2 if q else 5),
+        "codec": bench_codec(reps=3 if q else 25, loops=200 if q else 2000),
         "churn": bench_churn([100, 1000] if q else [100, 1000, 10_000], batch=200 if q else 2000),
         "bandwidth": bench_bandwidth(2 if q else 16, chunks=4 if q else 8, reps=3 if q else 7),
     }

@@ -35,6 +35,10 @@ def test_core_bench_quick_run_writes_json(tmp_path: Path) -> None:
     assert set(res["goals"]) == {"step_us_le_10", "churn_10k_within_1.5x_of_100", "bandwidth_16MiB_ge_0.8x_memcpy"}
     for row in res["announce"].values():  # a page run's room_pages, as the run and as an array
         assert row["run_us"] > 0 and row["array_us"] > 0 and row["run_bytes"] < row["array_bytes"]
+    for name, row in res["codec"].items():  # every wire message, Codec beside its baseline
+        base = row["baseline"]
+        assert min(row["encode_us"], row["decode_us"], row[f"{base}_encode_us"], row[f"{base}_decode_us"]) > 0, name
+    assert {"chunk_written", "aux_written"} <= set(res["codec"]) and res["codec"]["chunk_written"]["pack_us"] > 0
     for rooms in res["rooms"].values():
         assert rooms["rooms_per_second"] > 0
     dec = res["decode_path"]  # decode's CPU per chunk notification, fast rows and generic

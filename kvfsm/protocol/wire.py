@@ -1,31 +1,42 @@
 """Wire messages and their codec (declared in spec/messages.toml).
 
-A control message travels as a JSON envelope ``{"v": version, "t": name, **fields}`` encoded
-UTF-8. A message the spec gives a ``binary_id`` (the per-chunk notifications) travels in a fixed
-little-endian layout instead: ``0xB1``, version (u16), binary_id (u8), then its fields in declared
-order (u32, u64, bool as one byte 0/1): 0.5 µs to encode and 1 µs to decode against 3.6 and 5 µs
-for JSON, on the data path once per chunk on each side. No pickle, ever: a peer's bytes are data.
-``decode`` tells the two apart by the first byte (JSON starts with ``{``), validates the exact
-field set (or length), the declared types and ranges, and raises ``MalformedMessage`` /
-``UnsupportedVersion``; callers drop and count.
+A control message travels as a JSON object ``{"v": version, "t": name, **fields}`` encoded UTF-8
+(key order is free). A message the spec gives a ``binary_id`` (the per-chunk notifications)
+travels in a fixed little-endian layout instead: ``0xB1``, version (u16), binary_id (u8), then its
+fields in declared order (u32, u64, bool as one byte 0/1); it is encoded once per chunk on the
+data path, so ``Codec.packer`` packs it straight from its fields. No pickle, ever: a peer's bytes
+are data. ``decode`` tells the two forms apart by the first byte (JSON starts with ``{``),
+validates the exact field set (or length), the declared types and ranges, and raises
+``MalformedMessage`` / ``UnsupportedVersion``; callers drop and count.
+
+JSON is decoded by msgspec into one typed ``Struct`` per message, tagged by ``t``, with unknown
+fields forbidden and the spec's bounds as constraints (strict: no bool or float for an integer,
+no coercion); the struct becomes the message's dataclass. A refused message is looked at again,
+off the hot path, so that the error says what a peer got wrong in the codec's own words (version
+first, then the type, then missing and unknown fields, then the first bad value). The binary
+layout stays on ``struct``: ``bench/core.py``'s ``codec`` section measures both against
+msgspec's msgpack form, which packs a notification at about twice the cost.
 
 A page list (``list[u32]``) travels as a JSON array of its pages, or, when it is one ascending run
 held as a ``PageRun`` (the runtime makes one of an engine's run of pages), as ``{"run": [first,
-count]}``: a decode rank announcing 8,192 pages cost ~0.45 ms to encode and ~0.65 ms to decode
-as an array here (the decode inside the prefill rank's lock), and costs a few µs so. The decoder
-accepts both forms for any page list, and gives a run of ``RUN_MIN`` pages or more back as a
-``PageRun`` (shorter ones as a tuple, as the array form).
+count]}``: a few bytes and µs whatever the length, where a decode rank's 8,192 pages as an array
+cost a large share of a millisecond (``bench/core.py``'s ``announce``). The decoder accepts both
+forms for any page list, and gives a run of ``RUN_MIN`` pages or more back as a ``PageRun``
+(shorter ones as a tuple, as the array form).
 """
 
 from __future__ import annotations
 
-import json
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
 from operator import attrgetter
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
+
+import msgspec
+from msgspec import Meta
 
 from kvfsm.protocol.errors import MalformedMessage, SpecError, UnsupportedVersion
 from kvfsm.protocol.pages import PageRun, Pages, run_of
@@ -131,63 +142,34 @@ MESSAGE_CLASSES: dict[str, type[Any]] = {
 }
 
 
-def _check_uint(limit: int) -> Callable[[Any], Any]:
-    def check(v: Any) -> Any:
-        if type(v) is not int or not 0 <= v < limit:
-            raise ValueError(f"expected an integer in [0, {limit})")
-        return v
-
-    return check
-
-
-def _check_bool(v: Any) -> Any:
-    if type(v) is not bool:
-        raise ValueError("expected a boolean")
-    return v
-
-
-def _check_str(v: Any) -> Any:
-    if type(v) is not str or len(v) > MAX_STR:
-        raise ValueError(f"expected a string of at most {MAX_STR} characters")
-    return v
-
-
-def _check_u32_list(v: Any) -> Any:
-    if type(v) is dict:
-        return _check_run(v)
-    if type(v) is not list or len(v) > MAX_LIST:
-        raise ValueError(f'expected a list of at most {MAX_LIST} u32, or {{"run": [first, count]}}')
-    for x in v:
-        if type(x) is not int or not 0 <= x < U32:
-            raise ValueError("expected a list of u32")
-    return tuple(v)
-
-
-def _check_run(v: dict[str, Any]) -> Pages:
+class _Run(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """The run form of a page list: ``{"run": [first, count]}``, 1 <= count <= MAX_LIST, every
     page a u32."""
-    run = v.get("run")
-    if len(v) != 1 or type(run) is not list or len(run) != 2 or any(type(x) is not int for x in run):
-        raise ValueError('expected a page run {"run": [first, count]} of two integers')
-    first, count = run
-    if not (0 <= first and 1 <= count <= MAX_LIST and first + count <= U32):
-        raise ValueError(f"page run {run}: first >= 0, 1 <= count <= {MAX_LIST}, pages below {U32}")
-    return run_of(first, count)
+
+    run: tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1, le=MAX_LIST)]]
+
+    def __post_init__(self) -> None:
+        first, count = self.run
+        if first + count > U32:  # (msgspec turns a ValueError here into a ValidationError)
+            raise ValueError(f"page run [{first}, {count}]: every page must be below {U32}")
 
 
-FIELD_CHECKS: dict[str, Callable[[Any], Any]] = {
-    "u32": _check_uint(U32),
-    "u64": _check_uint(U64),
-    "bool": _check_bool,
-    "str": _check_str,
-    "list[u32]": _check_u32_list,
+# The spec's field types as msgspec types (its decoder is strict: a bool is not an integer, nor is
+# 1.0, and nothing is coerced). u64 stops below 2**63, as the binary layout's checks.
+_FIELD_TYPES: dict[str, Any] = {
+    "u32": Annotated[int, Meta(ge=0, lt=U32)],
+    "u64": Annotated[int, Meta(ge=0, le=U64 - 1)],
+    "bool": bool,
+    "str": Annotated[str, Meta(max_length=MAX_STR)],
+    "list[u32]": Annotated[list[Annotated[int, Meta(ge=0, lt=U32)]], Meta(max_length=MAX_LIST)] | _Run,
 }
+_AT_FIELD = re.compile(r" - at `\$\.(\w+)")  # where a msgspec ValidationError says it failed
 
 
 def _field_values(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
     """``msg -> (values of names, in order)``. ``attrgetter`` does it in C, half the cost of a
-    comprehension (binary messages are encoded once per chunk), but returns a bare value, not a
-    1-tuple, for one name (and takes no zero names): those fall back to a comprehension."""
+    comprehension, but returns a bare value, not a 1-tuple, for one name (and takes no zero
+    names): those fall back to a comprehension."""
     if len(names) >= 2:
         return attrgetter(*names)
 
@@ -197,6 +179,18 @@ def _field_values(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
     return values
 
 
+def _page_list_out(value: Any) -> Any:
+    """A page list as msgspec encodes it: a non-empty PageRun as its run, anything else as the
+    array of its pages."""
+    if type(value) is PageRun:
+        return _Run((value[0], len(value))) if value else ()
+    return value
+
+
+def _page_list_in(value: Any) -> Any:
+    return run_of(*value.run) if type(value) is _Run else tuple(value)
+
+
 class Codec:
     """Encodes and validates messages of one protocol version against spec/messages.toml."""
 
@@ -204,12 +198,17 @@ class Codec:
         self, version: int, message_fields: dict[str, dict[str, str]], binary_ids: dict[str, int] | None = None
     ) -> None:
         self.version = version
-        self._checks: dict[str, tuple[type[Any], tuple[tuple[str, Callable[[Any], Any]], ...]]] = {}
-        # binary messages: name -> (layout, id, msg -> its field values in order); binary_id ->
-        # (class, layout, positions of its bool and u64 values in the unpacked tuple, which need
-        # checks beyond the layout's)
+        self._declared: dict[str, tuple[str, ...]] = {}
+        # JSON: name -> (struct, msg -> its field values, positions of page lists among them);
+        # struct -> (class, positions of page lists among the struct's values, after "v")
+        self._json_out: dict[str, tuple[type[Any], Callable[[Any], tuple[Any, ...]], tuple[int, ...]]] = {}
+        self._json_in: dict[type[Any], tuple[type[Any], tuple[int, ...]]] = {}
+        # binary messages: name -> (layout, id, msg -> its field values in order); the 4 bytes of a
+        # header (magic, this version, binary_id) -> the reader of the message it starts
         self._bin_out: dict[str, tuple[struct.Struct, int, Callable[[Any], tuple[Any, ...]]]] = {}
-        self._bin_in: dict[int, tuple[type[Any], struct.Struct, tuple[int, ...], tuple[int, ...]]] = {}
+        self._bin_in: dict[bytes, Callable[[bytes], Message]] = {}
+        self._bin_ids: dict[int, str] = {}
+        structs: list[type[Any]] = []
         for name, cls in MESSAGE_CLASSES.items():
             declared = message_fields.get(name)
             if declared is None:
@@ -217,14 +216,30 @@ class Codec:
             names = [f.name for f in fields(cls)]
             if names != list(declared):
                 raise SpecError(f"message {name!r}: class fields {names} != spec fields {list(declared)}")
-            try:
-                checks = tuple((fname, FIELD_CHECKS[ftype]) for fname, ftype in declared.items())
-            except KeyError as e:
-                raise SpecError(f"message {name!r}: unknown field type {e}") from None
-            self._checks[name] = (cls, checks)
+            unknown = sorted(set(declared.values()) - set(_FIELD_TYPES))
+            if unknown:
+                raise SpecError(f"message {name!r}: unknown field type {unknown[0]!r}")
+            self._declared[name] = tuple(declared)
+            struct_type = msgspec.defstruct(
+                f"{cls.__name__}Json",
+                [("v", int), *((f, _FIELD_TYPES[t]) for f, t in declared.items())],
+                tag_field="t",
+                tag=name,
+                forbid_unknown_fields=True,
+                frozen=True,
+            )
+            structs.append(struct_type)
+            page_lists = tuple(i for i, t in enumerate(declared.values()) if t == "list[u32]")
+            self._json_out[name] = (struct_type, _field_values(tuple(declared)), page_lists)
+            self._json_in[struct_type] = (cls, page_lists)
         extra = set(message_fields) - set(MESSAGE_CLASSES)
         if extra:
             raise SpecError(f"messages declared in spec without a class: {sorted(extra)}")
+        union: Any = structs[0]
+        for struct_type in structs[1:]:
+            union = union | struct_type
+        self._json_decode = msgspec.json.Decoder(union).decode
+        self._json_encode = msgspec.json.Encoder().encode
         if binary_ids and not 0 < version < 1 << 16:
             raise SpecError(f"protocol version {version} does not fit the binary header (u16)")
         for name, bid in (binary_ids or {}).items():
@@ -234,10 +249,9 @@ class Codec:
                 raise SpecError(f"message {name!r}: binary_id needs fixed-width fields, not {wide}")
             layout = struct.Struct(_HEADER + "".join(_BINARY_FORMATS[t] for t in declared.values()))
             self._bin_out[name] = (layout, bid, _field_values(tuple(declared)))
-            types = list(declared.values())
-            bools = tuple(3 + i for i, t in enumerate(types) if t == "bool")
-            u64s = tuple(3 + i for i, t in enumerate(types) if t == "u64")
-            self._bin_in[bid] = (MESSAGE_CLASSES[name], layout, bools, u64s)
+            header = struct.pack(_HEADER, BINARY_MAGIC, version, bid)
+            self._bin_in[header] = _binary_reader(MESSAGE_CLASSES[name], layout, list(declared.values()))
+            self._bin_ids[bid] = name
 
     def packer(self, name: str) -> Callable[..., bytes]:
         """For message ``name`` (as spec/messages.toml names it), ``f(*values) == encode(cls(*values))``
@@ -245,7 +259,7 @@ class Codec:
         object where it is a binary message (a chunk's notification is encoded once per chunk;
         the runtime's leanest path packs its fields directly). Values the layout cannot hold
         raise ``struct.error``, as ``encode``."""
-        cls = self._checks[name][0]
+        cls = MESSAGE_CLASSES[name]
         binary = self._bin_out.get(name)
         if binary is not None:
             layout, bid, _ = binary
@@ -257,69 +271,92 @@ class Codec:
         if binary is not None:
             layout, bid, values = binary
             return layout.pack(BINARY_MAGIC, self.version, bid, *values(msg))
-        # Field by field (dataclasses.asdict deep-copies page lists: 0.3 ms for 256 pages).
-        body: dict[str, Any] = {"v": self.version, "t": msg.TYPE}
-        for fname, _ in self._checks[msg.TYPE][1]:
-            value = getattr(msg, fname)
-            if type(value) is PageRun:  # one run: its first page and length, whatever the length
-                value = {"run": [value[0], len(value)]} if value else []
-            body[fname] = value
-        return json.dumps(body, separators=(",", ":")).encode()
+        struct_type, json_values, page_lists = self._json_out[msg.TYPE]
+        out = json_values(msg)
+        if page_lists:
+            out = tuple(_page_list_out(v) if i in page_lists else v for i, v in enumerate(out))
+        return self._json_encode(struct_type(self.version, *out))
 
     def decode(self, data: bytes) -> Message:
         """Decode and validate; raises MalformedMessage or UnsupportedVersion (drop and count)."""
         if len(data) > MAX_MESSAGE:
             raise MalformedMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
         if data[:1] == _MAGIC_BYTE:
-            return self._decode_binary(data)
+            read = self._bin_in.get(data[:4])
+            if read is None:
+                raise self._binary_refusal(data)
+            return read(data)
         try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            decoded = self._json_decode(data)
+        except msgspec.ValidationError as e:
+            raise self._refusal(data, e) from None
+        except (msgspec.DecodeError, RecursionError) as e:
             raise MalformedMessage(f"not a JSON message: {type(e).__name__}") from None
-        if type(obj) is not dict:
-            raise MalformedMessage("message is not an object")
-        version = obj.pop("v", None)
-        if type(version) is not int or version != self.version:
-            raise UnsupportedVersion(f"protocol version {version!r}; this build speaks {self.version}")
-        mtype = obj.pop("t", None)
-        entry = self._checks.get(mtype) if type(mtype) is str else None
-        if entry is None:
-            raise MalformedMessage(f"unknown message type {mtype!r}")
-        cls, checks = entry
-        if len(obj) != len(checks):
-            missing = [n for n, _ in checks if n not in obj]
-            extra = sorted(set(obj) - {n for n, _ in checks})
-            raise MalformedMessage(f"{mtype}: missing fields {missing}, unknown fields {extra}")
-        values = {}
-        for fname, check in checks:
-            if fname not in obj:
-                raise MalformedMessage(f"{mtype}: missing field {fname!r}")
-            try:
-                values[fname] = check(obj[fname])
-            except ValueError as e:
-                raise MalformedMessage(f"{mtype}.{fname}: {e}") from None
-        msg: Message = cls(**values)
+        if decoded.v != self.version:
+            raise UnsupportedVersion(f"protocol version {decoded.v!r}; this build speaks {self.version}")
+        cls, page_lists = self._json_in[type(decoded)]
+        values = msgspec.structs.astuple(decoded)[1:]
+        if page_lists:
+            values = tuple(_page_list_in(v) if i in page_lists else v for i, v in enumerate(values))
+        msg: Message = cls(*values)
         return msg
 
-    def _decode_binary(self, data: bytes) -> Message:
+    def _refusal(self, data: bytes, error: msgspec.ValidationError) -> MalformedMessage:
+        """The error for JSON the typed decoder refused, in the order a reader checks it: an
+        object, its version, its type, its field set, then the value msgspec refused."""
+        try:
+            obj = msgspec.json.decode(data)
+        except (msgspec.DecodeError, RecursionError) as e:
+            return MalformedMessage(f"not a JSON message: {type(e).__name__}")
+        if type(obj) is not dict:
+            return MalformedMessage("message is not an object")
+        version = obj.pop("v", None)
+        if type(version) is not int or version != self.version:
+            return UnsupportedVersion(f"protocol version {version!r}; this build speaks {self.version}")
+        mtype = obj.pop("t", None)
+        declared = self._declared.get(mtype) if type(mtype) is str else None
+        if declared is None:
+            return MalformedMessage(f"unknown message type {mtype!r}")
+        missing = [n for n in declared if n not in obj]
+        extra = sorted(set(obj) - set(declared))
+        if missing or extra:
+            return MalformedMessage(f"{mtype}: missing fields {missing}, unknown fields {extra}")
+        at = _AT_FIELD.search(str(error))
+        where = f"{mtype}.{at.group(1)}" if at else mtype
+        return MalformedMessage(f"{where}: {error}")
+
+    def _binary_refusal(self, data: bytes) -> MalformedMessage:
+        """The error for a binary message whose header is not one of this codec's."""
         if len(data) < 4:
-            raise MalformedMessage(f"binary message of {len(data)} bytes has no header")
+            return MalformedMessage(f"binary message of {len(data)} bytes has no header")
         _, version, bid = struct.unpack_from(_HEADER, data)
         if version != self.version:
-            raise UnsupportedVersion(f"protocol version {version}; this build speaks {self.version}")
-        entry = self._bin_in.get(bid)
-        if entry is None:
-            raise MalformedMessage(f"unknown binary message id {bid}")
-        cls, layout, bools, u64s = entry
-        if len(data) != layout.size:
-            raise MalformedMessage(f"{cls.TYPE}: {len(data)} bytes, the binary layout has {layout.size}")
-        values = list(layout.unpack(data))
-        for i in bools:
-            if values[i] > 1:
-                raise MalformedMessage(f"{cls.TYPE}: field {i - 3}: expected a boolean (0 or 1), got {values[i]}")
-            values[i] = values[i] == 1
+            return UnsupportedVersion(f"protocol version {version}; this build speaks {self.version}")
+        return MalformedMessage(f"unknown binary message id {bid}")
+
+
+def _binary_reader(cls: type[Any], layout: struct.Struct, types: list[str]) -> Callable[[bytes], Message]:
+    """``data -> message`` for the binary layout of ``cls`` (its header already matched): the
+    exact length, then the checks beyond the layout's: a u64 below 2**63, and a bool's byte 0 or
+    1, looked at in the bytes, so that the fields unpack with ``?`` straight into bools (no list
+    to convert them in: chunk_written is decoded once per chunk)."""
+    size, name = layout.size, cls.TYPE
+    unpack_body = struct.Struct("<" + "".join("?" if t == "bool" else _BINARY_FORMATS[t] for t in types)).unpack_from
+    offsets = [struct.calcsize(_HEADER + "".join(_BINARY_FORMATS[t] for t in types[:i])) for i in range(len(types))]
+    bool_bytes = tuple((offsets[i], i) for i, t in enumerate(types) if t == "bool")
+    u64s = tuple(i for i, t in enumerate(types) if t == "u64")
+
+    def read(data: bytes) -> Message:
+        if len(data) != size:
+            raise MalformedMessage(f"{name}: {len(data)} bytes, the binary layout has {size}")
+        for at, i in bool_bytes:
+            if data[at] > 1:
+                raise MalformedMessage(f"{name}: field {i}: expected a boolean (0 or 1), got {data[at]}")
+        values = unpack_body(data, 4)
         for i in u64s:
             if values[i] >= U64:
-                raise MalformedMessage(f"{cls.TYPE}: field {i - 3}: expected an integer in [0, {U64})")
-        msg: Message = cls(*values[3:])
+                raise MalformedMessage(f"{name}: field {i}: expected an integer in [0, {U64})")
+        msg: Message = cls(*values)
         return msg
+
+    return read

@@ -2,6 +2,7 @@
 
 Histograms keep exact count/sum/min/max and a window of the most recent samples for
 percentiles (p50/p95/p99), so memory stays bounded however many rooms pass through.
+``kvfsm.runtime.metrics.KvfsmCollector`` exposes the same snapshot as Prometheus metrics.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """Wire messages: every type round-trips; decode refuses anything that is not exactly a message.
 
 ``CODEC`` speaks JSON only (every message has a JSON form); ``BINARY`` is the runtime's codec,
-which writes the notifications in their fixed binary layout and reads both forms.
+which writes the notifications in their fixed binary layout and reads both forms. The codecs
+bench/core.py measures ``Codec`` against (bench/wire_baselines.py) are held to the same
+strictness at the end: the hand-written JSON codec refuses and accepts exactly what ``Codec``
+does, and the msgpack form of the notifications refuses what the binary layout refuses.
 
 Everything refused is a MalformedMessage (UnsupportedVersion for another protocol version), which
 the runtime drops and counts: a peer's bytes never raise anything else.
@@ -10,6 +13,8 @@ the runtime drops and counts: a peer's bytes never raise anything else.
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -375,3 +380,99 @@ def test_a_packer_encodes_the_fields_as_encode_encodes_the_message(msg):
                 codec.packer(msg.TYPE)(*values)
             continue
         assert codec.packer(msg.TYPE)(*values) == want
+
+
+# ---------------------------------------------------------------------- the measured baselines
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from wire_baselines import MsgpackCodec, StdlibJsonCodec  # noqa: E402
+
+_ARGS = (
+    SPEC.version,
+    {n: m.fields for n, m in SPEC.messages.items()},
+    {n: m.binary_id for n, m in SPEC.messages.items() if m.binary_id is not None},
+)
+STDLIB = StdlibJsonCodec(*_ARGS)
+MSGPACK = MsgpackCodec(*_ARGS)
+
+
+def _outcome(codec, data: bytes):
+    """What ``codec`` makes of ``data``: the message, or the class of its refusal."""
+    try:
+        return codec.decode(data)
+    except (MalformedMessage, UnsupportedVersion) as e:
+        return type(e)
+
+
+# (no infinities: ``Infinity`` is not JSON; json.loads takes it, msgspec refuses it as malformed)
+ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ANY_MESSAGE, st.data())
+def test_the_hand_written_json_codec_accepts_and_refuses_exactly_as_the_codec(msg, data):
+    """The baseline of bench/core.py's ``codec`` section is as strict as ``Codec``: over valid
+    envelopes with a key replaced, added or removed, both decode the same message or refuse
+    with the same error class."""
+    body = json.loads(CODEC.encode(msg))
+    key = data.draw(st.sampled_from(sorted(body)) | st.text(max_size=4))
+    if data.draw(st.booleans()):
+        body.pop(key, None)
+    else:
+        body[key] = data.draw(ANY_JSON | st.sampled_from([SPEC.version, msg.TYPE, 2**32, 2**63, [1, 2]]))
+    wire = raw(body)
+    assert _outcome(STDLIB, wire) == _outcome(CODEC, wire)
+    if msg.TYPE not in BINARY_NAMES:  # (those STDLIB writes in their binary layout, as BINARY)
+        assert json.loads(STDLIB.encode(msg)) == json.loads(CODEC.encode(msg))
+
+
+@pytest.mark.parametrize("codec", [STDLIB, MSGPACK], ids=["stdlib-json", "msgpack"])
+@pytest.mark.parametrize(("name", "field", "value"), BAD_CASES[::7])
+def test_the_baselines_refuse_a_bad_json_value_as_the_codec(codec, name, field, value):
+    with pytest.raises(MalformedMessage, match=f"{name}.{field}"):
+        codec.decode(raw(envelope(name, **{field: value})))
+
+
+@pytest.mark.parametrize("name", BINARY_NAMES)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_msgpack_notifications_round_trip_and_pack_as_they_encode(data, name):
+    msg = data.draw(message_of(name))
+    wire = MSGPACK.encode(msg)
+    assert wire[:1] not in (b"{", bytes((BINARY_MAGIC,))) and MSGPACK.decode(wire) == msg
+    assert MSGPACK.packer(name)(*(getattr(msg, f) for f in SPEC.messages[name].fields)) == wire
+
+
+def _msgpack_note(*fields) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode([SPEC.messages["chunk_written"].binary_id, *fields])
+
+
+@pytest.mark.parametrize(
+    ("wire", "error"),
+    [
+        (_msgpack_note(SPEC.version, 7, 1, 2, True, 8, 4), None),  # the valid one, as a control
+        (_msgpack_note(SPEC.version + 1, 7, 1, 2, True, 8, 4), UnsupportedVersion),
+        (_msgpack_note(SPEC.version, 7, 1, 2, True, 8), MalformedMessage),  # a field short
+        (_msgpack_note(SPEC.version, 7, 1, 2, True, 8, 4, 0), MalformedMessage),  # a field long
+        (_msgpack_note(SPEC.version, 7, 1, 2, 2, 8, 4), MalformedMessage),  # is_last = 2
+        (_msgpack_note(SPEC.version, 2**63, 1, 2, True, 8, 4), MalformedMessage),  # room past u64
+        (_msgpack_note(SPEC.version, 7, 2**32, 2, True, 8, 4), MalformedMessage),  # src past u32
+        (_msgpack_note(SPEC.version, 7, True, 2, True, 8, 4), MalformedMessage),  # a bool for a u32
+        (b"\x97\x63" + _msgpack_note(SPEC.version, 7, 1, 2, True, 8, 4)[2:], MalformedMessage),  # unknown id
+        (b"\x80", MalformedMessage),  # a map, not an array
+    ],
+    ids=["valid", "other-version", "short", "long", "bool-2", "u64-overflow", "u32-overflow", "bool-for-int",
+         "unknown-id", "map"],
+)  # fmt: skip
+def test_the_msgpack_notification_is_refused_unless_exactly_valid(wire, error):
+    if error is None:
+        assert MSGPACK.decode(wire) == ChunkWritten(7, 1, 2, True, 8, 4)
+    else:
+        with pytest.raises(error):
+            MSGPACK.decode(wire)
