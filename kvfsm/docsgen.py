@@ -64,6 +64,7 @@ CONFIG_CLASSES = (
     "kvfsm.runtime.config:RuntimeConfig",
     "kvfsm.transport.nixl:NixlConfig",
     "kvfsm.transport.zmq:ZmqConfig",
+    "kvfsm.transport.loopback:Faults",
 )
 
 
