@@ -61,23 +61,33 @@ from kvfsm.protocol import (
 )
 from kvfsm.protocol.events import (
     Abort,
-    AbortReceived,
-    AuxArrived,
-    ChunkArrived,
     ChunkReady,
     Clear,
-    FailureReceived,
     PagesAllocated,
-    PagesAnnounced,
     PeerLost,
     PeersReady,
     TimerFired,
     WriteCompleted,
     WriteFailed,
-    WritesDrained,
 )
 from kvfsm.protocol.machine import RoomMachine
 from kvfsm.protocol.rooms import Announcement, DecodeRoom, PrefillRoom
+from kvfsm.protocol.routing import (
+    DISPATCH,
+    EARLY,
+    EXPIRED,
+    LIVE,
+    STASH,
+    UNKNOWN,
+    cleared,
+    create,
+    expire,
+    message_event,
+    replies,
+    route_completion,
+    route_message,
+    routing_for,
+)
 from kvfsm.protocol.wire import MESSAGE_CLASSES, Message
 
 FAILED, SUCCESS = 0, 4
@@ -236,6 +246,7 @@ class Model:
         self.cfg = cfg
         self.memo = memo
         self.protocol = protocol or mutated_protocol(cfg.mutant)
+        self.routing = routing_for(cfg.mutant)  # kvfsm.protocol.routing, as the runtime runs it
         self.pm: RoomMachine = self.protocol.prefill
         self.dm: RoomMachine = self.protocol.decode
         P, D, R, C = cfg.prefill_ranks, cfg.decode_ranks, cfg.rooms, cfg.chunks
@@ -618,12 +629,13 @@ class Model:
             if self.node(side, rank) in crashed:
                 continue
             cur = slots[idx]
-            if cur is None or cur[0] in ("E", "X"):
+            known = self.known(cur)
+            if known in (UNKNOWN, EARLY, EXPIRED):  # not created (routing.create allows it)
                 if self._may_create(slots, side, room, rank):
                     b = self._builder(ctrl)
                     self._do_create(b, idx, side, room, rank)
                     out.append(self._compile(("create", side, rank, room), b))
-                if cur is not None and cur[0] == "E":
+                if known == EARLY:
                     # the runtime forgets early messages after early_ttl_s (< the fence timer)
                     b = self._builder(ctrl)
                     self._expire_stash(b, idx, rank, room)
@@ -845,34 +857,42 @@ class Model:
         return -1
 
     def _expire_stash(self, b: _Builder, idx: int, rank: int, room: int) -> None:
-        from kvfsm.protocol.wire import Drained, RoomFailed
-
-        stash = b.slots[idx][1]
-        # runtime tombstone "Expired": a late create_sender fails the room, late room_pages are refused
-        b.slots[idx] = None if self.cfg.mutant == "early_expiry_forgotten" else ("X",)
-        for ev in stash:
-            if isinstance(ev, PagesAnnounced):  # runtime: tell the announcer, nothing was written
-                for msg in (RoomFailed(room, rank, ""), Drained(room, rank)):
-                    self._enqueue(b, ("m", self.node("P", rank), self.node("D", ev.dest_rank), _msg_tuple(msg)))
-            elif isinstance(ev, AbortReceived) and ev.side == "decode":  # runtime: the aborter is fenced
-                self._drained_reply(b, rank, room, ev.rank)
+        """The runtime forgets a not-yet-created room's early messages (``routing.expire``)."""
+        done = expire(self.routing, room, rank, b.slots[idx][1], "")
+        b.slots[idx] = ("X",) if done.known == EXPIRED else None
+        for dest, msg in done.sends:
+            self._enqueue(b, ("m", self.node("P", rank), self.node("D", dest), _msg_tuple(msg)))
 
     def _do_create(self, b: _Builder, idx: int, side: str, room: int, rank: int) -> None:
         prior = b.slots[idx]
-        stash = prior[1] if isinstance(prior, tuple) and prior[0] == "E" else ()
+        decision = create(self.known(prior))
         b.slots[idx] = self._create(side, room, rank)
-        if prior == ("X",):
-            self._apply(b, idx, Abort(""))  # runtime: the announcement expired; decode was told
+        if decision.abort:
+            self._apply(b, idx, Abort(""))  # the announcement expired; decode was told
         if side == "D":
             me = self.node("D", rank)
             broken = [p for p in self.sources[rank] if (me, self.node("P", p)) in b.lost]
             # runtime create_receiver: a source known dead fails the room at once; otherwise the
             # links are up (registration is modelled as done before the run)
             self._apply(b, idx, PeerLost(broken[0], "") if broken else PeersReady())
-        for ev in stash:
-            self._apply(b, idx, ev)
+        if decision.replay:
+            for ev in prior[1]:
+                self._apply(b, idx, ev)
 
-    # ------------------------------------------------------------------ the runtime's routing
+    # ------------------------------------------------------------------ the runtime's routing (kvfsm.protocol.routing)
+
+    def known(self, slot: Any) -> str:
+        """What a rank knows of a slot's room, as ``kvfsm.protocol.routing`` names it."""
+        if slot is None:
+            return UNKNOWN
+        tag = slot[0]
+        if tag == "E":
+            return EARLY
+        if tag == "X":
+            return EXPIRED
+        if tag == "Cleared":  # the frozen machine stands for the tombstone (its failure code: from Failed)
+            return cleared(self.routing, bool(slot[1]))
+        return LIVE
 
     def _deliver(self, b: _Builder, item: Item) -> None:
         kind = item[0]
@@ -880,21 +900,16 @@ class Model:
             self._route_message(b, item[1], item[2], _msg(item[3]))
         elif kind == "n":
             msg = _msg(item[3])
-            d = int(item[2][1:])
-            idx = self.slot_index[("D", msg.room, d)]  # type: ignore[union-attr]
-            if self._created(b, idx):  # a cleared room's machine must ignore it (no resurrection)
-                if msg.TYPE == "chunk_written":
-                    ev: Any = ChunkArrived(msg.src, msg.chunk_id, msg.is_last, msg.page_start, msg.num_pages)  # type: ignore[union-attr]
-                else:
-                    ev = AuxArrived(msg.src)  # type: ignore[union-attr]
-                self._apply(b, idx, ev)
+            idx = self.slot_index[("D", msg.room, int(item[2][1:]))]  # type: ignore[union-attr]
+            if route_message(self.known(b.slots[idx]), "decode", msg.TYPE) is DISPATCH:
+                self._apply(b, idx, message_event("decode", msg))
         elif kind == "w":
             self._land(b, item)
         elif kind == "c":
             _, dst, room, dest_rank, chunk_id, ok = item
             idx = self.slot_index[("P", room, int(dst[1:]))]
-            if self._created(b, idx):
-                ev = WriteCompleted(dest_rank, chunk_id) if ok else WriteFailed(dest_rank, chunk_id, "")
+            if route_completion(self.known(b.slots[idx])) is DISPATCH:
+                ev: Any = WriteCompleted(dest_rank, chunk_id) if ok else WriteFailed(dest_rank, chunk_id, "")
                 self._apply(b, idx, ev)
         elif kind == "l":
             _, dst, lost = item
@@ -903,8 +918,8 @@ class Model:
             b.lost.add((dst, lost))
             for r in range(self.cfg.rooms):
                 idx = self.slot_index[(side, r, rank)]
-                if not self._live(b, idx):
-                    continue
+                if self.known(b.slots[idx]) != LIVE:
+                    continue  # the runtime tells the rooms it routes to
                 # runtime: decode fails rooms of that source; prefill rooms the dead rank announced to
                 if side == "D":
                     involved = lost_rank in self.sources[rank]
@@ -913,68 +928,22 @@ class Model:
                 if involved:
                     self._apply(b, idx, PeerLost(lost_rank, ""))
 
-    def _created(self, b: _Builder, idx: int) -> bool:
-        s = b.slots[idx]
-        return isinstance(s, tuple) and s[0] not in ("E", "X")
-
-    def _live(self, b: _Builder, idx: int) -> bool:
-        s = b.slots[idx]
-        return isinstance(s, tuple) and s[0] not in ("E", "X", "Cleared")
-
     def _route_message(self, b: _Builder, src: str, dst: str, msg: Any) -> None:
-        side, rank = dst[0], int(dst[1:])
-        src_rank = int(src[1:])
-        idx = self.slot_index[(side, msg.room, rank)]
+        side = "prefill" if dst[0] == "P" else "decode"
+        rank = int(dst[1:])
+        ev = message_event(side, msg, self.kv_pages, self.aux_slots)
+        if ev is None:
+            return
+        idx = self.slot_index[(dst[0], msg.room, rank)]
         cur = b.slots[idx]
-        if side == "P":
-            if msg.TYPE == "room_pages":
-                ev: Any = PagesAnnounced(
-                    msg.decode_rank, msg.pages, msg.aux_slot, msg.required_dests, self.kv_pages, self.aux_slots
-                )
-            elif msg.TYPE == "abort":
-                ev = AbortReceived(msg.rank, msg.side, "")
-            else:
-                return
+        route = route_message(self.known(cur), side, msg.TYPE)
+        if route is DISPATCH:
+            self._apply(b, idx, ev)
+        elif route is STASH:  # kept until the engine creates the room
+            b.slots[idx] = ("E", (*(cur[1] if cur else ()), ev))
         else:
-            if msg.TYPE == "abort":
-                ev = AbortReceived(msg.rank, msg.side, "")
-            elif msg.TYPE == "room_failed":
-                ev = FailureReceived(msg.prefill_rank, "")
-            elif msg.TYPE == "drained":
-                ev = WritesDrained(msg.prefill_rank)
-            else:
-                return
-        if cur == ("X",):
-            if side == "P" and msg.TYPE == "room_pages":
-                self._tombstone_reply(b, rank, msg.room, src_rank)
-            elif side == "P" and msg.TYPE == "abort":
-                self._drained_reply(b, rank, msg.room, src_rank)
-            return
-        if cur is None or (isinstance(cur, tuple) and cur[0] == "E"):
-            if side == "P":  # kept until the engine creates the room (runtime: early messages)
-                stash = cur[1] if cur else ()
-                b.slots[idx] = ("E", (*stash, ev))
-            return  # decode: a message for a room it never created is dropped
-        if cur[0] == "Cleared":
-            if side == "P" and msg.TYPE == "abort":
-                self._drained_reply(b, rank, msg.room, src_rank)  # runtime: nothing is outstanding
-            if side == "P" and msg.TYPE == "room_pages" and cur[1]:
-                # tombstone of a failed room: tell the announcer at once (runtime behaviour)
-                self._tombstone_reply(b, rank, msg.room, src_rank)
-            self._apply(b, idx, ev)  # the machine must ignore it (no resurrection)
-            return
-        self._apply(b, idx, ev)
-
-    def _drained_reply(self, b: _Builder, p: int, room: int, d: int) -> None:
-        from kvfsm.protocol.wire import Drained
-
-        self._enqueue(b, ("m", self.node("P", p), self.node("D", d), _msg_tuple(Drained(room, p))))
-
-    def _tombstone_reply(self, b: _Builder, p: int, room: int, d: int) -> None:
-        from kvfsm.protocol.wire import Drained, RoomFailed
-
-        for msg in (RoomFailed(room, p, ""), Drained(room, p)):
-            self._enqueue(b, ("m", self.node("P", p), self.node("D", d), _msg_tuple(msg)))
+            for reply in replies(route, msg.room, rank, ""):
+                self._enqueue(b, ("m", dst, src, _msg_tuple(reply)))
 
     def _land(self, b: _Builder, item: Item) -> None:
         _, src, dst, room, chunk_id, note = item
