@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfsm.check.encoding import _msg_tuple
 from kvfsm.check.explore import _jsonable
-from kvfsm.check.model import CheckConfig, Model, _msg_tuple
+from kvfsm.check.model import CheckConfig, Model
 from kvfsm.protocol import LocalProtocolError
 from kvfsm.protocol.routing import EXPIRED, ROUTING
 from kvfsm.runtime import RuntimeConfig
