@@ -528,8 +528,8 @@ class Manager:
         LIVE, whose route is always dispatch: looked up first, as it is on every notification.)"""
         rt = self._rooms.get(rid)
         if rt is None:
-            route = route_message(self._known(rid), self.side, what)
-            self._count_drop(route.drop, f"{what} for room {rid} ({self._known(rid)})")
+            known = self._known(rid)
+            self._count_drop(route_message(known, self.side, what).drop, f"{what} for room {rid} ({known})")
         return rt
 
     def _on_message(self, peer: str, kind: str, msg: Message) -> None:
