@@ -3,8 +3,8 @@
   states/s and bytes per state exploring the standard preset (reduced to its independent
   component) and the smoke preset. Baselines measured in the same run: the same exploration of
   the smoke preset with the effect tables off (``memo=False``: every successor computed from the
-  readable model code with a mutable builder, as the checker did before the flat-state fast
-  path), and the bare protocol steps per second of the transitions machines.
+  readable model code with a mutable builder, without the flat-state fast path), and the bare
+  protocol steps per second of the transitions machines.
 
 Writes JSON (default bench/results/check.json).
 """

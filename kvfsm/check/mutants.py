@@ -1,9 +1,12 @@
 """Mutants: historical bug classes of SGLang and vLLM as named variants of the spec or a guard.
 
 Each mutant rewrites spec rows (and may register an extra guard), and the protocol is built from
-the result: the checker explores the same buggy protocol the runtime would run. One mutant
-(``early_expiry_forgotten``) is a variant of the runtime's routing, which the model mirrors.
-``MUTANTS[name].config`` is a small configuration in which ``kvfsm check`` must find it.
+the result: the checker explores the same buggy protocol the runtime would run. A mutant named in
+``kvfsm.protocol.routing.ROUTING_MUTANTS`` is (also) a variant of the routing decisions that the
+model and the runtime share (``routing_for``): ``late_message_resurrects`` keeps a cleared room
+routable (and adds the row that lets a late notification revive it), ``early_expiry_forgotten``
+leaves no tombstone when early messages expire. ``MUTANTS[name].config`` is a small
+configuration in which ``kvfsm check`` must find it.
 """
 
 from __future__ import annotations
@@ -234,7 +237,7 @@ MUTANTS: dict[str, Mutant] = {
             "Runtime: a room whose early room_pages expired is forgotten, so a late duplicate restarts writes into released pages",
             "no_write_into_freed_pages",
             CheckConfig(1, 1, 1, 1, dup=1),
-            lambda s: s,  # a routing variant: the model switches it on by name
+            lambda s: s,  # a routing variant only (ROUTING_MUTANTS): the spec is unchanged
         ),
     ]
 }

@@ -18,7 +18,8 @@ from kvfsm.protocol.events import AbortReceived, FailureReceived, PeerLost, Time
 from kvfsm.protocol.spec import spec_dir
 
 if TYPE_CHECKING:
-    from kvfsm.check.model import Model, _Builder
+    from kvfsm.check.encoding import _Builder
+    from kvfsm.check.model import Model
 
 FAILED, SUCCESS = 0, 4
 

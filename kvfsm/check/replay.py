@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfsm.check.encoding import _msg_tuple
 from kvfsm.check.explore import _jsonable
-from kvfsm.check.model import CheckConfig, Model, _msg_tuple
+from kvfsm.check.model import CheckConfig, Model
 from kvfsm.protocol import LocalProtocolError
+from kvfsm.protocol.routing import EXPIRED, ROUTING
+from kvfsm.runtime import RuntimeConfig
 from kvfsm.runtime.decode import KVReceiver
-from kvfsm.runtime.manager import ROUTING_MUTANTS, Manager, RuntimeConfig
+from kvfsm.runtime.manager import Manager
 from kvfsm.runtime.prefill import KVSender
 from kvfsm.testing import LoopbackCluster
 
@@ -61,8 +64,9 @@ def _ep(node: str) -> str:
 
 class Replayer:
     def __init__(self, cfg: CheckConfig, routing_bugs: bool = True) -> None:
-        """``routing_bugs=False`` keeps the runtime's own fixes for the mutants of its routing
-        layer (ROUTING_MUTANTS): their traces then show that the runtime is immune."""
+        """The runtime runs the model's protocol and the model's routing (``kvfsm.protocol.routing``:
+        a routing mutant's variant too). ``routing_bugs=False`` gives the runtime the correct
+        routing instead: a routing mutant's trace then shows that it stops the bug."""
         self.cfg = cfg
         self.model = Model(cfg)
         self.state = self.model.initial()
@@ -70,12 +74,11 @@ class Replayer:
         self.c = LoopbackCluster(
             prefill_ranks=cfg.prefill_ranks, decode_ranks=cfg.decode_ranks, pages=cfg.rooms * cfg.chunks,
             page_bytes=self.page_bytes, aux_slots=cfg.rooms, aux_bytes=self.aux_bytes, workers=0,
-            ordered=cfg.ordered, protocol=self.model.protocol, async_writes=True,
-            # a mutant of the runtime's routing (not of the spec) is switched on in the runtime itself
-            config=RuntimeConfig(
-                workers=0, routing_mutant=cfg.mutant if routing_bugs and cfg.mutant in ROUTING_MUTANTS else None
-            ),
+            ordered=cfg.ordered, protocol=self.model.protocol, async_writes=True, config=RuntimeConfig(workers=0),
         )  # fmt: skip
+        routing = self.model.routing if routing_bugs else ROUTING
+        for m in self.c.managers:
+            m.routing = routing  # before any room exists (LoopbackCluster builds the managers)
         self.handles: dict[tuple[str, int, int], KVSender | KVReceiver] = {}
         self.freed: set[tuple[int, int]] = set()  # (room, decode rank) whose pages were handed back
         self.released_sources: set[tuple[int, int]] = set()  # (room, prefill rank)
@@ -198,7 +201,7 @@ class Replayer:
                 return str(rt.room.state)
             tomb = mgr._tombstones.get(room)
             if tomb is not None:
-                return "X" if tomb[0] == "Expired" else "Cleared"
+                return "X" if tomb[0] == EXPIRED else "Cleared"
             if side == "P" and room in getattr(mgr, "_early", {}):
                 return "E"
         return None
@@ -275,7 +278,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--runtime-fixes",
         action="store_true",
-        help="for a mutant of the runtime's routing, keep the runtime's fix (shows it is immune)",
+        help="for a routing mutant, run the correct routing on the runtime (shows that it stops the bug)",
     )
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from kvfsm.runtime.config import RuntimeConfig
 from kvfsm.runtime.decode import DecodeManager, KVReceiver
-from kvfsm.runtime.manager import RuntimeConfig, coalesce
+from kvfsm.runtime.pages import coalesce
 from kvfsm.runtime.prefill import KVSender, PrefillManager
 
 __all__ = ["DecodeManager", "KVReceiver", "KVSender", "PrefillManager", "RuntimeConfig", "coalesce"]

@@ -5,18 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvfsm.protocol import Protocol, fastpath
-from kvfsm.protocol.events import (
-    AbortReceived,
-    AuxArrived,
-    ChunkArrived,
-    FailureReceived,
-    PagesAllocated,
-    PeerLost,
-    PeersReady,
-    WritesDrained,
-)
+from kvfsm.protocol import LocalProtocolError, Protocol, fastpath
+from kvfsm.protocol.events import ChunkArrived, PagesAllocated, PeerLost, PeersReady
 from kvfsm.protocol.rooms import DecodeRoom
+from kvfsm.protocol.routing import message_event
 from kvfsm.protocol.wire import (
     AbortNotice,
     AuxWritten,
@@ -27,7 +19,8 @@ from kvfsm.protocol.wire import (
     RegisterAck,
     RoomFailed,
 )
-from kvfsm.runtime.manager import Manager, RoomHandle, as_index, as_pages, log
+from kvfsm.runtime.manager import Manager, RoomHandle, log
+from kvfsm.runtime.pages import as_index, as_pages
 
 
 class KVReceiver(RoomHandle):
@@ -85,8 +78,6 @@ class DecodeManager(Manager):
         required_dests = as_index(required_dests, "required_dests")
         unknown = [s for s in sources if s not in self._peer_names]
         if not sources or unknown:
-            from kvfsm.protocol import LocalProtocolError
-
             raise LocalProtocolError(f"sources {unknown or '()'} are not prefill peers of decode rank {self.rank}")
         with self._lock:
             self._new_room(room, DecodeRoom(room, self.rank, self.kv_pages, self.aux_slots, sources, required_dests))
@@ -131,28 +122,28 @@ class DecodeManager(Manager):
             elif msg.src != rank:
                 self._count_drop("wrong_sender", f"{msg.TYPE} claiming src {msg.src} from {peer}")
             elif (rt := self._room_for_message(msg.room, msg.TYPE)) is not None:
-                if isinstance(msg, ChunkWritten):
-                    event = ChunkArrived(msg.src, msg.chunk_id, msg.is_last, msg.page_start, msg.num_pages)
+                event = message_event("decode", msg)
+                if type(event) is ChunkArrived:
                     if self._fast_ok() and fastpath.arrival(rt.room, event):
                         # row D8 applied directly (fastpath): arm the transfer timer as its action does
                         self._timers.set(msg.room, fastpath.TIMER, self.clock() + self._transfer_s)
                     else:
                         self._dispatch(msg.room, event)
-                    rt.bytes += msg.num_pages * self.page_bytes
-                else:
-                    self._dispatch(msg.room, AuxArrived(msg.src))
+                    rt.bytes += event.num_pages * self.page_bytes
+                elif event is not None:
+                    self._dispatch(msg.room, event)
             return
         if isinstance(msg, RegisterAck):
             self._on_ack(rank, msg)
-        elif isinstance(msg, AbortNotice) and msg.side == "prefill" and msg.rank == rank:
+        elif (
+            (isinstance(msg, AbortNotice) and msg.side == "prefill" and msg.rank == rank)
+            or (isinstance(msg, RoomFailed) and msg.prefill_rank == rank)
+            or (isinstance(msg, Drained) and msg.prefill_rank == rank)
+        ):
             if self._room_for_message(msg.room, msg.TYPE) is not None:
-                self._dispatch(msg.room, AbortReceived(msg.rank, msg.side, msg.reason))
-        elif isinstance(msg, RoomFailed) and msg.prefill_rank == rank:
-            if self._room_for_message(msg.room, msg.TYPE) is not None:
-                self._dispatch(msg.room, FailureReceived(msg.prefill_rank, msg.reason))
-        elif isinstance(msg, Drained) and msg.prefill_rank == rank:
-            if self._room_for_message(msg.room, msg.TYPE) is not None:
-                self._dispatch(msg.room, WritesDrained(msg.prefill_rank))
+                event = message_event("decode", msg)
+                assert event is not None  # (an abort, room_failed or drained message)
+                self._dispatch(msg.room, event)
         else:
             self._count_drop("unexpected_message", f"{msg.TYPE} from {peer}")
 

@@ -8,7 +8,10 @@ the actions of a step are being carried out (an inline write that fails, a timer
 stepped afterwards, never in the middle of another step. After each step the manager carries out
 the actions (send, post a write to the worker pool, arm/cancel a timer, count), records telemetry
 when the state changed, and forgets a room when it reaches Cleared (leaving a tombstone so that a
-late message for it is dropped and counted, never re-creating it).
+late message for it is dropped and counted, never re-creating it). Which room an inbound item
+belongs to, and what a tombstone or a not-yet-created room does with it, is decided by the pure
+functions of ``kvfsm.protocol.routing``, the same the model checker runs; ``Manager.routing``
+selects a mutant of them (trace replay only).
 
 Inbound transport items are decoded and validated here: a malformed or unknown-version message,
 one whose claimed rank does not match the sending endpoint, or one for an unknown room is dropped
@@ -17,18 +20,13 @@ and counted with a logged reason; it never raises out of the runtime.
 
 from __future__ import annotations
 
-import functools
 import logging
-import operator
-import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from kvfsm.protocol import (
     Action,
@@ -49,40 +47,23 @@ from kvfsm.protocol import (
     fastpath,
 )
 from kvfsm.protocol.machine import RoomMachine
-from kvfsm.protocol.pages import RUN_MIN, PageRun, Pages, page_summary, run_bytes, run_of
 from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
+from kvfsm.protocol.routing import EARLY, LIVE, ROUTING, UNKNOWN, Create, Routing, cleared, create, route_message
 from kvfsm.protocol.wire import Codec, Message
+from kvfsm.runtime.config import RuntimeConfig
+from kvfsm.runtime.pages import COALESCE_ARRAY_MIN, as_index, as_pages, coalesce
 from kvfsm.runtime.telemetry import Telemetry
 from kvfsm.runtime.timers import TimerWheel
 from kvfsm.runtime.workers import WorkerPool
-from kvfsm.transport.base import Endpoint, Inbound, Segment, SegmentArray, region_nbytes
+from kvfsm.transport.base import Endpoint, Inbound, region_nbytes
 
 log = logging.getLogger("kvfsm.runtime")
 _STATE_SECONDS: dict[str, str] = {}  # state -> its histogram name ("state_seconds.<state>"), built once
 
 MAX_ROOM_ID = (1 << 63) - 1
 
-
-@dataclass
-class RuntimeConfig:
-    """Knobs of a manager. ``timeouts`` overrides spec timer defaults, e.g. {"transfer": 5.0}."""
-
-    timeouts: dict[str, float] = field(default_factory=dict)
-    workers: int = 4  # 0: run transfer jobs inline (deterministic)
-    batch_bytes: int = 256 << 20  # send_many() hands its writes over whenever this many bytes are pending
-    batch_segments: int = 64  # ... or this many segments (scattered pages: one descriptor per run)
-    register_retry_s: float = 1.0  # decode re-sends register until acknowledged
-    tombstone_ttl_s: float = 600.0  # how long a cleared room's id is remembered
-    early_ttl_s: float = 300.0  # prefill: how long messages for a not-yet-created room are kept
-    max_early_rooms: int = 65536
-    # kvfsm replay only: switch back on a historical routing bug that a checker mutant describes,
-    # so that its trace reproduces on the runtime (ROUTING_MUTANTS); never set it in production
-    routing_mutant: str | None = None
-
-
-# late_message_resurrects: a cleared room's machine is kept, so a late message reaches it;
-# early_expiry_forgotten: a room whose early messages expired is forgotten (no "Expired" tombstone)
-ROUTING_MUTANTS = ("late_message_resurrects", "early_expiry_forgotten")
+__all__ = ["COALESCE_ARRAY_MIN", "Manager", "RoomHandle", "RoomRuntime", "RuntimeConfig", "as_index", "as_pages",
+           "coalesce"]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -93,176 +74,6 @@ class RoomRuntime:
     started: float | None = None  # first write posted (prefill) / pages announced (decode)
     bytes: int = 0
     descriptors: int = 0
-
-
-# Pages in a chunk from which one that is not a single run is coalesced with numpy, into a
-# SegmentArray (no Segment object per run; the NIXL data plane reads its arrays whole). Below it
-# numpy's fixed costs outweigh the per-run ones (measured with bench/core.py's stub agent:
-# scattered 32-page chunks 80 µs each with numpy, 69 without; 64 pages 88 against 97).
-COALESCE_ARRAY_MIN = 64
-
-
-def _is_run(pages: Sequence[int]) -> bool:
-    """Are ``pages`` (at least one) one ascending run? O(1) for a PageRun, and for pages whose
-    ends rule it out (a scattered destination's, as often as not); ``page_summary`` otherwise
-    (256 pages in reverse order: 8.5 µs here for its minimum, maximum and distinctness)."""
-    if type(pages) is PageRun:
-        return True
-    return pages[-1] - pages[0] == len(pages) - 1 and page_summary(pages)[3]
-
-
-def _page_array(pages: Sequence[int]) -> np.ndarray:
-    """Pages as an int64 array (read-only). A PageRun's is a view of its bytes (``run_bytes``:
-    256 pages 0.6 µs here, against 6.9 through the sequence protocol). ``np.arange`` would cost
-    less, but it drops the GIL: in the stub harness the engine then waited for the poller, 16
-    µs per scattered chunk of 256 pages more than before rather than 6 less."""
-    if type(pages) is PageRun and len(pages):
-        raw = run_bytes(pages[0], len(pages))
-        if raw is not None:
-            return np.frombuffer(raw, dtype=np.int64)
-    return np.asarray(pages, dtype=np.int64)
-
-
-def coalesce(
-    src_pages: Sequence[int], dst_pages: Sequence[int], page_bytes: int, *, one_run: bool = False
-) -> Sequence[Segment]:
-    """Turn page pairs into as few contiguous segments as possible (one per run): a list, or a
-    ``SegmentArray`` for ``COALESCE_ARRAY_MIN`` pages or more that are not one run on both
-    sides. ``one_run``: the caller already knows both lists are one ascending run each
-    (``PostWrite.contiguous``)."""
-    n = len(src_pages)
-    if n and n == len(dst_pages):
-        s0, d0 = src_pages[0], dst_pages[0]
-        if one_run or (_is_run(src_pages) and _is_run(dst_pages)):
-            return [Segment(s0 * page_bytes, d0 * page_bytes, n * page_bytes)]  # fast path: one run
-        if n >= COALESCE_ARRAY_MIN:
-            src = _page_array(src_pages)
-            dst = _page_array(dst_pages)
-            # a run ends where either side stops ascending by one
-            starts = np.flatnonzero(np.concatenate(([True], (np.diff(src) != 1) | (np.diff(dst) != 1))))
-            counts = np.diff(np.append(starts, n))
-            return SegmentArray(src[starts] * page_bytes, dst[starts] * page_bytes, counts * page_bytes)
-    segs: list[Segment] = []
-    run_s = run_d = run_n = 0
-    for s, d in zip(src_pages, dst_pages, strict=True):
-        if run_n and s == run_s + run_n and d == run_d + run_n:
-            run_n += 1
-            continue
-        if run_n:
-            segs.append(Segment(run_s * page_bytes, run_d * page_bytes, run_n * page_bytes))
-        run_s, run_d, run_n = s, d, 1
-    if run_n:
-        segs.append(Segment(run_s * page_bytes, run_d * page_bytes, run_n * page_bytes))
-    return segs
-
-
-def as_pages(pages: Any) -> Pages:
-    """Page indices as exact Python ints, whatever the engine holds them in: a list, tuple or
-    range of ints, or a 1-D integer array (numpy, torch: SGLang passes ``kv_indices`` as numpy).
-    One ascending run of at least RUN_MIN pages becomes a PageRun (no per-page cost after this
-    check, which is done in C: a range by construction, an array vectorised, a list converted
-    to int64 in one call); anything else a tuple. Anything that is not integers (floats, bools,
-    nested lists, strings) raises LocalProtocolError before the room changes: a numpy scalar
-    left in a page list would otherwise fail only when the message is encoded, after the room
-    had already moved on."""
-    if type(pages) is list or type(pages) is tuple:  # the usual inputs
-        if len(pages) >= RUN_MIN:
-            run = _list_run(pages)
-            if run is not None:
-                return run
-    else:
-        if type(pages) is range and pages.step == 1 and pages.start >= 0:
-            return run_of(pages.start, len(pages))  # one ascending run by construction: no check
-        array_run = _array_run(pages)
-        if array_run is not None:
-            return array_run
-        tolist = getattr(pages, "tolist", None)
-        if tolist is not None and not isinstance(pages, list | tuple | range):
-            pages = tolist()  # a tensor, or an array that is not one run
-            if type(pages) is list and len(pages) >= RUN_MIN:
-                run = _list_run(pages)
-                if run is not None:
-                    return run
-        if isinstance(pages, str | bytes) or not hasattr(pages, "__iter__"):
-            raise LocalProtocolError(f"page indices must be integers, not {type(pages).__name__}")
-    t = pages if type(pages) is tuple else tuple(pages)
-    if t and [*map(type, t)].count(int) != len(t):  # not all exact ints (a C loop; a set of types costs more)
-        try:
-            t = tuple(_as_int(p) for p in t)
-        except TypeError as exc:
-            raise LocalProtocolError(f"page indices must be integers: {exc}") from None
-    return t
-
-
-def _list_run(pages: list[Any] | tuple[Any, ...]) -> PageRun | None:
-    """A list or tuple that is one ascending run of pages >= 0, as a PageRun, else None (the
-    general path checks and converts it); see ``_is_list_run``."""
-    return PageRun(pages[0], len(pages)) if _is_list_run(pages) else None
-
-
-def _is_list_run(pages: list[Any] | tuple[Any, ...]) -> bool:
-    """Is a list or tuple of at least two items one ascending run of pages >= 0? Checked in C:
-    a ``struct.Struct`` of that many int64s packs every item as an integer (``__index__``: a
-    float, string or None raises ``struct.error``) and its bytes are compared with the run's
-    (``run_bytes``); 2.6x cheaper than ``array("q", pages)`` for 1,024 pages (5.8 µs against
-    15.3 here), which converts each item through a generic argument parser. The first two items
-    must be exact ints: in an ascending run from >= 0 only they can equal 0 or 1, so no bool
-    (which packs as 0 or 1) passes for a page."""
-    first, second = pages[0], pages[1]
-    if type(first) is not int or type(second) is not int or first < 0 or second != first + 1:
-        return False
-    n = len(pages)
-    want = run_bytes(first, n)
-    if want is None:
-        return False
-    try:
-        return _int64s(n).pack(*pages) == want
-    except struct.error:
-        return False
-
-
-@functools.lru_cache(maxsize=256)
-def _int64s(n: int) -> struct.Struct:
-    """The packer of ``n`` native int64s (``_is_list_run``), by chunk length (an engine's chunks
-    come in a few lengths)."""
-    return struct.Struct(f"{n}q")
-
-
-def _array_run(pages: Any) -> Pages | None:
-    """A 1-D numpy integer array that is one ascending run of pages >= 0, as its pages
-    (checked in C against the run's bytes, no int per page built), else None (the general path
-    handles it)."""
-    dtype = getattr(pages, "dtype", None)
-    if getattr(dtype, "kind", None) not in ("i", "u") or getattr(pages, "ndim", None) != 1:
-        return None  # not numpy (torch dtypes have no kind), or not integers
-    n = len(pages)
-    if not n:
-        return ()
-    lo = int(pages[0])
-    if lo < 0 or int(pages[-1]) - lo != n - 1:
-        return None
-    want = run_bytes(lo, n)
-    if want is None:
-        if n > 1 and not bool((pages[1:] - pages[:-1] == 1).all()):
-            return None
-    elif pages.astype(np.int64, copy=False).tobytes() != want:
-        return None
-    return run_of(lo, n)
-
-
-def as_index(x: Any, what: str) -> int:
-    """An aux slot, rank or count as a Python int (numpy and torch integers too);
-    LocalProtocolError naming ``what`` if it is not an integer."""
-    try:
-        return _as_int(x)
-    except TypeError as exc:
-        raise LocalProtocolError(f"{what} must be an integer: {exc}") from None
-
-
-def _as_int(x: Any) -> int:
-    if isinstance(x, bool) or type(x).__name__ == "bool_":
-        raise TypeError(f"{x!r} is a boolean")
-    return operator.index(x)
 
 
 class RoomHandle:
@@ -313,14 +124,13 @@ class Manager:
         aux_slot_bytes: int,
         config: RuntimeConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        routing: Routing = ROUTING,
     ) -> None:
         self.rank = rank
         self.endpoint = endpoint
         self.config = config or RuntimeConfig()
-        if self.config.routing_mutant not in (None, *ROUTING_MUTANTS):
-            raise LocalProtocolError(
-                f"routing_mutant must be one of {ROUTING_MUTANTS}, not {self.config.routing_mutant!r}"
-            )
+        # the routing decisions' variant: ROUTING, or a checker's routing mutant (kvfsm replay)
+        self.routing = routing
         protocol = protocol or Protocol()
         self.machine: RoomMachine = protocol.machine_for(self.side, self.config.timeouts)
         # the rows taken once per chunk or write, applied directly (kvfsm.protocol.fastpath)
@@ -348,7 +158,9 @@ class Manager:
         self._changed = threading.Condition(self._lock)  # a room changed state (wait())
         self._rooms: dict[int, RoomRuntime] = {}
         self._timers = TimerWheel()
-        self._tombstones: dict[int, tuple[str, float]] = {}
+        self._tombstones: dict[int, tuple[str, float]] = {}  # room -> (routing.TOMBSTONES kind, expiry)
+        # prefill: events for rooms the engine has not created yet (decode was faster), replayed on create
+        self._early: dict[int, list[tuple[str, Event]]] = {}
         self._tomb_order: deque[tuple[float, int]] = deque()
         self._queue: deque[tuple[int, Event]] = deque()
         self._draining = False
@@ -495,22 +307,36 @@ class Manager:
             raise LocalProtocolError(f"room {room} does not exist on {self.side} rank {self.rank}; create it first")
         return rt
 
-    def _new_room(self, rid: int, room: PrefillRoom | DecodeRoom) -> None:
+    def _known(self, rid: int) -> str:
+        """What this rank knows of room ``rid`` (a ``kvfsm.protocol.routing`` kind)."""
+        if rid in self._rooms:
+            return LIVE
+        tomb = self._tombstones.get(rid)
+        if tomb is not None:
+            return tomb[0]
+        return EARLY if rid in self._early else UNKNOWN
+
+    def _new_room(self, rid: int, room: PrefillRoom | DecodeRoom) -> Create:
+        """Create room ``rid``'s machine, as ``routing.create`` decides over what is known of the
+        id; the decision is returned for the caller to carry out the rest (abort, replay)."""
         if type(rid) is not int or not 0 <= rid <= MAX_ROOM_ID:
             raise LocalProtocolError(f"room id must be an integer in [0, 2**63): {rid!r}")
-        if rid in self._rooms:
+        decision = create(self._known(rid))
+        if decision.refuse == "duplicate":
             raise LocalProtocolError(
                 f"room {rid} already exists on {self.side} rank {self.rank} (duplicate bootstrap_room)"
             )
-        if rid in self._tombstones:
+        if decision.refuse:
             raise LocalProtocolError(
                 f"room {rid} was used and cleared recently on {self.side} rank {self.rank}; room ids must be unique"
             )
+        self._tombstones.pop(rid, None)  # an expiry tombstone: the room now exists, and fails (decision.abort)
         now = self.clock()
         self._rooms[rid] = RoomRuntime(room, now, now)
         self._expect_traffic()
         self.telemetry.count("rooms_created")
         self._execute(self._rooms[rid], self.machine.create(room, now), now)
+        return decision
 
     def _local(self, rid: int, event: Event) -> None:
         """A local event: misuse raises LocalProtocolError to the caller, the room unchanged."""
@@ -590,14 +416,14 @@ class Manager:
             log.info("%s%d room %d failed in %s: %s", self.side, self.rank, room.room, before, room.failure)
         elif after == "Cleared":
             self.telemetry.count("rooms_cleared")
-            if self.config.routing_mutant == "late_message_resurrects":
-                self._timers.cancel_room(room.room)
-                return  # the bug: the cleared room stays routable
+            known = cleared(self.routing, before == "Failed")
+            self._timers.cancel_room(room.room)
+            if known == LIVE:
+                return  # a routing mutant: the cleared room's machine stays routable
             del self._rooms[room.room]
             self._expect_traffic()
-            self._timers.cancel_room(room.room)
             expiry = now + self.config.tombstone_ttl_s
-            self._tombstones[room.room] = (before, expiry)
+            self._tombstones[room.room] = (known, expiry)
             self._tomb_order.append((expiry, room.room))
             if before != "Failed":
                 self._failures.pop(room.room, None)
@@ -697,12 +523,13 @@ class Manager:
         log.exception("%s%d: error handling %s from %s", self.side, self.rank, item.kind, item.peer)
 
     def _room_for_message(self, rid: int, what: str) -> RoomRuntime | None:
+        """The room a message ``what`` for ``rid`` goes to, or None: dropped and counted as
+        ``routing.route_message`` decides (decode: no stash, no reply). (A room in ``_rooms`` is
+        LIVE, whose route is always dispatch: looked up first, as it is on every notification.)"""
         rt = self._rooms.get(rid)
         if rt is None:
-            if rid in self._tombstones:
-                self._count_drop("late_for_cleared_room", f"{what} for cleared room {rid}")
-            else:
-                self._count_drop("unknown_room", f"{what} for unknown room {rid}")
+            known = self._known(rid)
+            self._count_drop(route_message(known, self.side, what).drop, f"{what} for room {rid} ({known})")
         return rt
 
     def _on_message(self, peer: str, kind: str, msg: Message) -> None:

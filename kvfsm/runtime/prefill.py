@@ -8,21 +8,22 @@ from operator import attrgetter
 from typing import Any
 
 from kvfsm.protocol import LocalProtocolError, PostAuxWrite, PostWrite, Protocol, fastpath
-from kvfsm.protocol.events import (
-    AUX_WRITE,
-    Abort,
-    AbortReceived,
-    ChunkReady,
-    Event,
-    PagesAnnounced,
-    PeerLost,
-    WriteCompleted,
-    WriteFailed,
-)
+from kvfsm.protocol.events import AUX_WRITE, Abort, ChunkReady, PeerLost, WriteCompleted, WriteFailed
 from kvfsm.protocol.pages import Pages
 from kvfsm.protocol.rooms import PrefillRoom
-from kvfsm.protocol.wire import AbortNotice, Drained, Message, Register, RegisterAck, RoomFailed, RoomPages
-from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, _is_list_run, as_index, as_pages, coalesce, log
+from kvfsm.protocol.routing import (
+    DISPATCH,
+    EXPIRED,
+    STASH,
+    expire,
+    message_event,
+    replies,
+    route_completion,
+    route_message,
+)
+from kvfsm.protocol.wire import AbortNotice, Message, Register, RegisterAck, RoomPages
+from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, log
+from kvfsm.runtime.pages import _is_list_run, as_index, as_pages, coalesce
 from kvfsm.transport.base import Inbound, Segment, SegmentArray, Write, write_many
 
 _LENGTH = attrgetter("length")  # of a Segment (map in C: one write has one segment, mostly)
@@ -63,8 +64,6 @@ class PrefillManager(Manager):
         self._registrations: dict[int, Register] = {}
         self._peer_names: dict[int, str] = {}
         self._peer_ranks: dict[str, int] = {}
-        # Messages for rooms the engine has not created yet (decode was faster): replayed on create.
-        self._early: dict[int, list[tuple[str, Event]]] = {}
         self._early_order: deque[tuple[float, int]] = deque()
         self._batch: list[Write] | None = None  # writes of a send_many(), handed over together
         self._batch_bytes = self._batch_segments = 0  # ... and their bytes and segments
@@ -76,16 +75,13 @@ class PrefillManager(Manager):
     def create_sender(self, room: int) -> KVSender:
         """Create room ``room`` on this rank. Messages that arrived for it earlier are applied now."""
         with self._lock:
-            tomb = self._tombstones.get(room)
-            expired = tomb is not None and tomb[0] == "Expired"
-            if expired:
-                del self._tombstones[room]
-            self._new_room(room, PrefillRoom(room, self.rank, self.kv_pages, self.aux_slots))
-            if expired:
+            decision = self._new_room(room, PrefillRoom(room, self.rank, self.kv_pages, self.aux_slots))
+            if decision.abort:
                 # decode's announcement expired here and decode was told: the room cannot run
                 self._dispatch(room, Abort(self._failures.pop(room, "announcement expired")))
-            for _peer, event in self._early.pop(room, ()):
-                self._dispatch(room, event)
+            if decision.replay:
+                for _peer, event in self._early.pop(room):
+                    self._dispatch(room, event)
         return KVSender(self, room)
 
     def send_many(self, chunks: Iterable[Sequence[Any]]) -> None:
@@ -294,19 +290,11 @@ class PrefillManager(Manager):
             if not self._claims(peer, msg.decode_rank, msg):
                 return
             reg = self._registrations.get(msg.decode_rank)
-            event = PagesAnnounced(
-                msg.decode_rank,
-                msg.pages,
-                msg.aux_slot,
-                msg.required_dests,
-                reg.kv_pages if reg else 0,
-                reg.aux_slots if reg else 0,
-            )
-            self._room_event(peer, msg.room, event, msg)
+            self._room_event(peer, msg.decode_rank, msg, reg.kv_pages if reg else 0, reg.aux_slots if reg else 0)
         elif isinstance(msg, AbortNotice):
             if msg.side != "decode" or not self._claims(peer, msg.rank, msg):
                 return
-            self._room_event(peer, msg.room, AbortReceived(msg.rank, msg.side, msg.reason), msg)
+            self._room_event(peer, msg.rank, msg)
         else:
             self._count_drop("unexpected_message", f"{msg.TYPE} from {peer}")
 
@@ -342,30 +330,28 @@ class PrefillManager(Manager):
         self.telemetry.count("messages_out")
         self.endpoint.send(peer, self.codec.encode(ack))
 
-    def _room_event(self, peer: str, rid: int, event: Event, msg: Message) -> None:
-        if rid in self._rooms:
+    def _room_event(
+        self, peer: str, sender: int, msg: RoomPages | AbortNotice, kv_pages: int = 0, aux_slots: int = 0
+    ) -> None:
+        """A room message from decode rank ``sender``, routed as ``routing.route_message`` decides
+        (``kv_pages``, ``aux_slots``: the sender's registered regions, for an announcement)."""
+        rid = msg.room
+        event = message_event("prefill", msg, kv_pages, aux_slots)
+        assert event is not None  # (a room_pages or abort message)
+        full = len(self._early) >= self.config.max_early_rooms
+        route = route_message(self._known(rid), "prefill", msg.TYPE, stash_full=full)
+        if route is DISPATCH:
             self._dispatch(rid, event)
-            return
-        tomb = self._tombstones.get(rid)
-        if tomb is not None:
-            self._count_drop("late_for_cleared_room", f"{msg.TYPE} for cleared room {rid}")
-            if isinstance(msg, AbortNotice):
-                # a cleared (or never created) room has no write outstanding: the aborting decode
-                # rank may release its pages now instead of at its fence timer
-                self._send(msg.rank, Drained(rid, self.rank))
-            elif tomb[0] in ("Failed", "Expired") and isinstance(msg, RoomPages):
-                # The decode still holds pages for a room that failed here: tell it now.
-                reason = self._failures.get(rid) or "room failed on prefill"
-                self._send(msg.decode_rank, RoomFailed(rid, self.rank, reason))
-                self._send(msg.decode_rank, Drained(rid, self.rank))  # it was never written to
-            return
-        if len(self._early) >= self.config.max_early_rooms and rid not in self._early:
-            self._count_drop("early_overflow", f"{msg.TYPE} for not-yet-created room {rid}")
-            return
-        if rid not in self._early:
-            self._early_order.append((self.clock() + self.config.early_ttl_s, rid))
-        self._early.setdefault(rid, []).append((peer, event))
-        self.telemetry.count("early_messages")
+        elif route is STASH:
+            if rid not in self._early:
+                self._early_order.append((self.clock() + self.config.early_ttl_s, rid))
+            self._early.setdefault(rid, []).append((peer, event))
+            self.telemetry.count("early_messages")
+        else:
+            self._count_drop(route.drop, f"{msg.TYPE} for room {rid}")
+            reason = self._failures.get(rid) or "room failed on prefill"
+            for reply in replies(route, rid, self.rank, reason):
+                self._send(sender, reply)
 
     def expire_early(self, room: int) -> None:
         """Expire the messages kept for a not-yet-created room now (trace replay and tests)."""
@@ -385,29 +371,24 @@ class PrefillManager(Manager):
         if events is None:
             return
         self._count_drop("early_expired", f"room {rid} was never created on this rank")
-        # Remember it: decode was told the room failed and released its pages, so neither a
-        # late duplicate room_pages nor the engine's late create_sender may start writes.
         reason = f"prefill rank {self.rank} never created room {rid} within {self.config.early_ttl_s}s"
-        if self.config.routing_mutant != "early_expiry_forgotten":  # the bug: forget it
-            self._tombstones[rid] = ("Expired", now + self.config.tombstone_ttl_s)
+        done = expire(self.routing, rid, self.rank, [event for _peer, event in events], reason)
+        if done.known == EXPIRED:
+            # remembered: decode was told the room failed and released its pages, so neither a
+            # late duplicate room_pages nor the engine's late create_sender may start writes
+            self._tombstones[rid] = (EXPIRED, now + self.config.tombstone_ttl_s)
             self._tomb_order.append((now + self.config.tombstone_ttl_s, rid))
             self._failures[rid] = reason
-        for _peer, event in events:
-            if isinstance(event, PagesAnnounced):
-                self._send(event.dest_rank, RoomFailed(rid, self.rank, reason))
-                self._send(event.dest_rank, Drained(rid, self.rank))
-            elif isinstance(event, AbortReceived) and event.side == "decode":
-                # a decode rank that aborted is fenced, and this rank never wrote into its pages:
-                # it may release them now, not at its fence timer (its room_pages may be lost)
-                self._send(event.rank, Drained(rid, self.rank))
+        for dest, reply in done.sends:
+            self._send(dest, reply)
 
     def _on_completion(self, tag: object, ok: bool, reason: str) -> None:
         if not (type(tag) is tuple and len(tag) == 3):
             self._count_drop("unexpected_completion", f"tag {tag!r}")
             return
         rid, dest, chunk_id = tag
-        if rid not in self._rooms:
-            self._count_drop("completion_for_gone_room", f"room {rid}")
+        if rid not in self._rooms:  # a room not LIVE: routing.route_completion drops it
+            self._count_drop(route_completion(self._known(rid)).drop, f"room {rid}")
             return
         if ok:
             if self._fast_ok():

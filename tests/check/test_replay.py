@@ -15,11 +15,12 @@ from kvfsm.check import CheckConfig, explore
 from kvfsm.check.explore import _jsonable
 from kvfsm.check.model import Model
 from kvfsm.check.mutants import MUTANTS
-from kvfsm.check.replay import replay
+from kvfsm.check.replay import Replayer, replay
+from kvfsm.protocol.routing import ROUTING, ROUTING_MUTANTS
 
-# Mutants of the runtime's routing layer: replay switches the bug on in the runtime itself
-# (RuntimeConfig.routing_mutant); with the runtime's own fixes their traces do not reproduce.
-ROUTING = {"late_message_resurrects", "early_expiry_forgotten"}
+# Mutants of the routing that the model and the runtime share (kvfsm.protocol.routing): replay
+# hands the model's Routing to the runtime; with the correct routing their traces do not reproduce.
+ROUTED = sorted(ROUTING_MUTANTS)
 
 
 def _write_trace(path: Path, cfg: CheckConfig, labels: list[list[object]], violation: str = "") -> Path:
@@ -41,8 +42,29 @@ def test_every_mutant_trace_reproduces_on_the_runtime(name: str, tmp_path: Path)
     assert res.reproduced, res.observed
 
 
-@pytest.mark.parametrize("name", sorted(ROUTING))
-def test_the_runtime_routing_layer_stops_the_routing_mutants(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ROUTED)
+def test_a_routing_mutant_found_by_the_checker_reproduces_on_the_runtime_through_the_shared_routing(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = MUTANTS[name]
+    cfg = replace(m.config, mutant=name)
+    # the checker finds it, and the runtime that replays its trace runs the very same Routing value
+    # through the same functions (kvfsm.protocol.routing): no switch of the runtime's own
+    v = next(v for v in explore(cfg).violations if v["name"] == m.expect)
+    r = Replayer(cfg)
+    assert r.model.routing is ROUTING_MUTANTS[name]
+    assert all(mgr.routing is r.model.routing for mgr in r.c.managers)
+    r.c.close()
+    res = replay(_write_trace(tmp_path / "t.jsonl", cfg, v["trace"], m.expect))
+    assert res.divergences == [] and res.steps == len(v["trace"])
+    assert m.expect in res.observed  # the violation itself is seen on the runtime
+    # the mutant is the routing variant: the same model with the correct routing does not break
+    monkeypatch.setattr("kvfsm.check.model.routing_for", lambda mutant: ROUTING)
+    assert m.expect not in {v["name"] for v in explore(cfg, stop_at_first=False).violations}
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_the_correct_routing_stops_the_routing_mutants(name: str, tmp_path: Path) -> None:
     m = MUTANTS[name]
     cfg = replace(m.config, mutant=name)
     v = next(v for v in explore(cfg).violations if v["name"] == m.expect)

@@ -114,7 +114,7 @@ def test_runs_given_as_range_or_numpy_become_the_same_exact_int_tuples(given: An
     (it is one by construction, or checked vectorised); anything else takes the general path.
     Either way the result is the tuple of exact ints a list would give, and its summary is right."""
     from kvfsm.protocol.pages import page_summary
-    from kvfsm.runtime.manager import as_pages
+    from kvfsm.runtime.pages import as_pages
 
     want = tuple(int(p) for p in given)
     got = as_pages(given)

@@ -822,8 +822,7 @@ class KVMachineMesh(KVMachine):
 
 
 # derandomize: CI explores the same examples on every run, so a landing is never decided by
-# which random examples one run happened to draw (explore further locally with derandomize off:
-# a random mesh run found an open drain bug that way, see the session notes)
+# which random examples one run happened to draw (explore further locally with derandomize off)
 SETTINGS = settings(
     derandomize=True,
     max_examples=100,
