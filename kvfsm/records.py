@@ -13,7 +13,7 @@ events remain hashable and immutable for the model checker.
 
 It is kept because it shows end to end: a generic step builds its action records and a decode
 rank's chunk notification builds its message and event, and with the plain dataclass
-``__init__`` the step costs about 17% more and the notification about 11% more (docs/design.md
+``__init__`` the step costs up to ~15% more and the notification ~12% more (docs/design.md
 gives the figures and the command). The prefill side's per-chunk path builds no record.
 
 Only plain fields are supported: a ``default_factory``, an ``init=False`` or keyword-only field
