@@ -5,14 +5,16 @@ Theory of operation
 -------------------
 The ``__init__`` that ``dataclass(frozen=True)`` writes sets each field with
 ``object.__setattr__(self, name, value)``: a global and an attribute lookup, then the generic
-attribute path (type lookup of the name, the frozen check skipped), per field. A chunk builds
-five such records (ChunkReady, ChunkWritten, PostWrite, SetTimer, the transport's Segment) and
-its completion three more (the transport's Inbound, WriteCompleted, SetTimer): ~10% of the
-runtime's per-chunk cost. ``fast_init`` replaces
-it by one that calls each field's slot descriptor directly (``Cls.field.__set__``, bound once when
-the class is defined): same signature, same defaults, same result, ~40% cheaper. The class stays
-a frozen dataclass (assignment after construction still raises FrozenInstanceError; eq, hash and
-repr are untouched), so messages and events remain hashable and immutable for the model checker.
+attribute path, per field. ``fast_init`` replaces it by one that calls each field's slot
+descriptor directly (``Cls.field.__set__``, bound once when the class is defined): same
+signature, same defaults, same result. The class stays a frozen dataclass (assignment after
+construction still raises FrozenInstanceError; eq, hash and repr are untouched), so messages and
+events remain hashable and immutable for the model checker.
+
+It is kept because it shows end to end: a generic step builds its action records and a decode
+rank's chunk notification builds its message and event, and with the plain dataclass
+``__init__`` the step costs up to ~15% more and the notification ~12% more (docs/design.md
+gives the figures and the command). The prefill side's per-chunk path builds no record.
 
 Only plain fields are supported: a ``default_factory``, an ``init=False`` or keyword-only field
 or a ``__post_init__`` would need the generated code's extra steps, so they raise TypeError here

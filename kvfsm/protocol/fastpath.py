@@ -13,37 +13,42 @@ calls the action functions, which emit action objects, and the runtime then disp
 by type; for these rows that machinery costs more than the rows' own work (``bench/core.py``
 ``nixl_path`` and ``decode_path``: the CPU per chunk with and without this module).
 
-``chunk``, ``completion`` and ``arrival`` apply those rows directly: the same tests (the guards'
-own helpers), the same changes to the room (its state included: the caller tells the runtime
-of a change as it does after a step), and they return only what the runtime must still carry
-out. They are an optimisation of the spec, never a second definition of it:
+``chunk``, ``run_chunk``, ``completion`` and ``arrival`` apply those rows directly: the same
+tests (the spec's guard functions), the same changes to the room (its state included: the
+caller tells the runtime of a change as it does after a step), and they return only what the
+runtime must still carry out. They are an optimisation of the spec's rows, proven equal to the
+generic step, never a second definition of them:
 
-* ``applies(machine)`` is true only if the machine's compiled rows for the (state, trigger)
-  pairs involved (``EXPECTED``, per machine) are exactly the rows implemented here (row ids,
-  guard and action functions by identity, action arguments, destinations). An edited spec or a
-  mutant (``kvfsm.check.mutants``) turns the fast rows off and every event takes the generic
-  step;
+* ``ROWS`` names, per machine, the (state, trigger) pairs whose rows these functions stand in
+  for and those rows' ids. ``applies(machine)`` is true only if the machine's compiled rows for
+  those pairs are exactly the shipped spec's, as ``compile_rows`` compiles them (row ids, guard
+  and action functions by identity, arguments, destinations), with the ids named here. Another
+  spec, an edited row or a checker mutant (``kvfsm.check.mutants``) turns the fast rows off and
+  every event takes the generic step;
 * each function returns None or False, the room untouched, wherever the generic step would take
   any other row (an invalid chunk, one that does not fit, an unknown write, a repeated, invalid
   or completing notification), and the caller then steps the event generically;
-* ``tests/protocol/test_fastpath.py`` steps random events both ways and compares the rooms and
-  the actions; ``tests/runtime/test_fast_rows.py`` plays seeded runs with the fast rows on and
-  off and compares everything the runtime does.
+* the proof that they equal the shipped rows is ``tests/protocol/test_fast_rows_all_pairs.py``:
+  every state of each machine x every event type these functions take, with rooms and events
+  drawn to take every branch of the rows' guards, fast row against generic step (rooms,
+  actions, returned posts). ``tests/protocol/test_fastpath.py`` adds random event sequences and
+  ``tests/runtime/test_fast_rows.py`` seeded runs of the runtime with the fast rows on and off.
 
 Pure: no I/O, no clock (the caller sets the timer deadlines it is told to arm).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import functools
+from collections.abc import Sequence
 
 from kvfsm.protocol import functions as f
 from kvfsm.protocol.actions import PostAuxWrite
 from kvfsm.protocol.events import AUX_WRITE, ChunkArrived, ChunkReady
-from kvfsm.protocol.machine import RoomMachine
+from kvfsm.protocol.machine import CompiledRow, RoomMachine, compile_rows
 from kvfsm.protocol.pages import Pages
 from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
+from kvfsm.protocol.spec import load_spec
 from kvfsm.protocol.wire import ChunkWritten
 
 WAITING = "WaitingForInput"
@@ -53,49 +58,39 @@ SUCCESS = "Success"
 TIMER = "transfer"  # the timer every fast row arms
 INPUT = "input"  # the timer P11 cancels
 
-_Row = tuple[
-    str, tuple[Callable[..., Any], ...], tuple[Callable[..., Any], ...], str | None, tuple[tuple[Any, str], ...]
-]
-_CHUNK: tuple[_Row, ...] = (
-    ("P9", (f.chunk_ok,), (f.chunk_fits,), "Failed",
-     ((f.fail, "page count mismatch"), (f.tell_decode, "failed"), (f.tell_drained, ""), (f.cancel_timers, ""))),
-    ("P10", (f.chunk_ok, f.chunk_is_last), (), DRAINING, ((f.cancel, INPUT), (f.post_chunk, ""), (f.arm, TIMER))),
-    ("P11", (f.chunk_ok,), (), SENDING, ((f.cancel, INPUT), (f.post_chunk, ""), (f.arm, TIMER))),
-)  # fmt: skip
-_UNKNOWN_WRITE: _Row = ("P13", (), (f.write_pending,), None, ((f.ignore, "completion of unknown write"),))
-_PROGRESS: _Row = ("P15", (), (), None, ((f.complete_write, ""), (f.arm, TIMER)))
-_FINAL: _Row = ("P14", (f.write_is_final,), (), SUCCESS, ((f.complete_write, ""), (f.cancel, TIMER)))
 RECEIVING = "Transferring"  # a decode room's state while chunks arrive
-_FENCE = ((f.tell_prefill, "aborted"), (f.cancel_timers, ""), (f.fence, ""), (f.arm, "fence"))
-_ARRIVAL: tuple[_Row, ...] = (
-    ("D4", (f.chunk_repeat,), (), None, ((f.ignore, "duplicate chunk notification"),)),
-    ("D5", (), (f.chunk_valid,), "Fenced", ((f.fail, "invalid chunk notification"), *_FENCE)),
-    ("D6", (f.completes_room,), (f.coverage_exact,), "Fenced",
-     ((f.record_chunk, ""), (f.fail, "page coverage mismatch"), *_FENCE)),
-    ("D7", (f.completes_room,), (), "Success", ((f.record_chunk, ""), (f.cancel, TIMER))),
-    ("D8", (), (), RECEIVING, ((f.record_chunk, ""), (f.arm, TIMER))),
-)  # fmt: skip
-# per machine, the rows each (state, trigger) must have, in order, for the fast rows to stand in
-EXPECTED: dict[str, dict[tuple[str, str], tuple[_Row, ...]]] = {
+
+# per machine, the (state, trigger) pairs the fast rows stand in for, and the ids of their rows
+# in spec order (the fast rows take P10, P11, P14, P15 and D8; the others they refuse)
+ROWS: dict[str, dict[tuple[str, str], tuple[str, ...]]] = {
     "prefill_room": {
-        (WAITING, "chunk_ready"): _CHUNK,
-        (SENDING, "chunk_ready"): _CHUNK,
-        (SENDING, "write_completed"): (_UNKNOWN_WRITE, _PROGRESS),
-        (DRAINING, "write_completed"): (_UNKNOWN_WRITE, _FINAL, _PROGRESS),
+        (WAITING, "chunk_ready"): ("P9", "P10", "P11"),
+        (SENDING, "chunk_ready"): ("P9", "P10", "P11"),
+        (SENDING, "write_completed"): ("P13", "P15"),
+        (DRAINING, "write_completed"): ("P13", "P14", "P15"),
     },
-    "decode_room": {(RECEIVING, "chunk_arrived"): _ARRIVAL},
+    "decode_room": {(RECEIVING, "chunk_arrived"): ("D4", "D5", "D6", "D7", "D8")},
 }
 
 
+@functools.cache
+def shipped_rows(name: str) -> dict[tuple[str, str], tuple[CompiledRow, ...]]:
+    """The shipped spec's compiled rows for the pairs of ``ROWS[name]``: the rows the fast rows
+    are proven equal to."""
+    table = compile_rows(load_spec().machines[name])
+    return {key: table.get(key, ()) for key in ROWS[name]}
+
+
 def applies(machine: RoomMachine) -> bool:
-    """Do ``machine``'s compiled rows match the rows implemented here for it, exactly?"""
-    expected = EXPECTED.get(machine.spec.name)
-    if not expected:
+    """Are ``machine``'s compiled rows for the fast rows' pairs exactly the shipped spec's, with
+    the row ids of ``ROWS``?"""
+    name = machine.spec.name
+    if name not in ROWS:
         return False
-    for key, want in expected.items():
-        rows = machine.table.get(key)
-        got = tuple((r.row_id, r.conditions, r.unless, r.dest, r.actions) for r in rows or ())
-        if got != want:
+    shipped = shipped_rows(name)
+    for key, ids in ROWS[name].items():
+        rows = machine.table.get(key, ())
+        if rows != shipped[key] or tuple(r.row_id for r in rows) != ids:
             return False
     return True
 
@@ -120,8 +115,8 @@ def chunk(room: PrefillRoom, ev: ChunkReady) -> ChunkPosts | None:
     if state != SENDING and state != WAITING:
         return None
     last = ev.is_last
-    if f._chunk_problem(room, ev) or not f._fits(room.dests.values(), room.cursor + len(ev.pages), last):
-        return None  # P9 (a chunk that does not fit) or no row (an invalid chunk): generic
+    if not f.chunk_ok(room, ev) or not f.chunk_fits(room, ev):
+        return None  # no row (an invalid chunk) or P9 (a chunk that does not fit): generic
     timers = room.timers
     cancelled = INPUT in timers
     if cancelled:
@@ -218,7 +213,7 @@ def arrival(room: DecodeRoom, ev: ChunkArrived) -> bool:
     does not complete the room, while Transferring): the chunk recorded and the transfer timer
     armed in ``room.timers`` (the caller sets its deadline). False, the room untouched,
     otherwise."""
-    if room.state != RECEIVING or f._chunk_notice_problem(room, ev):
+    if room.state != RECEIVING or not f.chunk_valid(room, ev):
         return False  # D5, D4 (a chunk id received already is a problem too) or another state
     if f.completes_room(room, ev):
         return False  # D6 or D7: the room concludes

@@ -1,18 +1,23 @@
-"""Room machines: spec rows -> ``transitions`` machines -> compiled dispatch table.
+"""Room machines: spec rows -> one compiled table -> ``step``.
 
 Theory of operation
 -------------------
-``RoomMachine`` builds one ``transitions.Machine`` per machine kind from spec/ (no models are
-added to it: ``add_model`` is O(n) per add, so rooms are never registered with it). That machine
-is the declaration and the reference interpreter: ``step_reference`` fires its events directly on
-a room object. ``step`` runs the same rows from a dispatch table that is compiled *from the
-transitions machine* by introspection (``machine.events[trigger].transitions[state]``): same
-guards, same order, same actions, ~20x cheaper than a ``transitions`` fire (8 µs here). Each
-(state, trigger) of the table is then turned into one generated function (``_row_function``)
-that tests its rows' guards in order, each at most once, and takes the first row whose guards
-hold: no loop over rows, guard lists or action lists is left on the per-chunk path. A
-differential test checks that ``step`` and the transitions machine agree on random event
-sequences.
+A transition row exists once, in spec/ (``RowSpec``). ``compile_rows`` is the one compiler from a
+machine's rows to the dispatch table the runtime steps: it resolves each row's guard and action
+names to the functions of ``kvfsm.protocol.functions`` (checking every argument) and files the
+row under every (state, trigger) it covers, in spec order. ``RoomMachine.step`` runs that table:
+for the (state, trigger) of an event it takes the first row whose guards hold (each guard
+evaluated at most once per step: guards are pure, and no action runs before a row is chosen),
+enters its destination, calls its actions in order and records the row's id. Each (state,
+trigger)'s rows run as one function generated from the table (``row_function``), so no loop over
+rows, guards or actions is left on the per-event path.
+
+The ``transitions`` library is the reference interpreter, not a second compiler:
+``reference_machine`` adds every spec row to a ``transitions.Machine`` as it is declared (its own
+expansion of sources and triggers, its own order and firing), built lazily because only tests and
+``bench/core.py`` fire it (``RoomMachine.step_reference``). ``tests/protocol/test_differential.py``
+requires both interpreters to agree on random event sequences; the fast rows of
+``kvfsm.protocol.fastpath`` are checked against ``step`` (see there).
 
 A step is ``(room, event, now) -> [actions]``. It never does I/O, reads a clock or sleeps.
 An event no row accepts is a protocol error: for a local cause it raises LocalProtocolError and
@@ -23,70 +28,51 @@ left as it is and only the RecordProtocolError is returned (Success never turns 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from transitions import Machine
 
 from kvfsm.protocol.actions import Action, RecordProtocolError
 from kvfsm.protocol.errors import LocalProtocolError, SpecError
 from kvfsm.protocol.events import Event
-from kvfsm.protocol.functions import ACTION_ARGS, ACTIONS, EXPLAIN, GUARDS, StepContext
+from kvfsm.protocol.functions import ACTION_ARGS, ACTIONS, EXPLAIN, GUARDS, ActionFn, Guard, StepContext
 from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
-from kvfsm.protocol.spec import MachineSpec, ProtocolSpec, load_spec
+from kvfsm.protocol.spec import MachineSpec, ProtocolSpec, RowSpec, load_spec
 from kvfsm.protocol.wire import Codec
 
-Callback = Callable[[Any, Any, StepContext], None]
+# an action function with its spec argument ("arm:transfer" -> (arm, "transfer"))
+BoundAction = tuple[ActionFn, str]
 
 
-class _Bound:
-    """An action bound to its spec argument; called as a transitions ``after`` callback."""
+@dataclass(frozen=True, slots=True)
+class CompiledRow:
+    """One spec row with its names resolved: what ``step`` runs. Equal rows are the same row
+    (guard and action functions compare by identity), which ``fastpath.applies`` relies on."""
 
-    __slots__ = ("fn", "arg", "name")
-
-    def __init__(self, name: str, fn: Callable[[Any, Any, StepContext, str], None], arg: str) -> None:
-        self.name = name
-        self.fn = fn
-        self.arg = arg
-
-    def __call__(self, room: Any, ev: Any, ctx: StepContext) -> None:
-        self.fn(room, ev, ctx, self.arg)
+    row_id: str
+    conditions: tuple[Guard, ...]  # must all hold
+    unless: tuple[Guard, ...]  # must all fail (the spec's "!name")
+    dest: str | None  # None: stay
+    actions: tuple[BoundAction, ...]
 
 
-class _RowMark:
-    """Last callback of every row: records which spec row fired (row coverage, tracing)."""
-
-    __slots__ = ("row_id",)
-
-    def __init__(self, row_id: str) -> None:
-        self.row_id = row_id
-
-    def __call__(self, room: Any, ev: Any, ctx: StepContext) -> None:
-        room.last_row = self.row_id
+# (state, trigger) -> the rows a step tries, in spec order
+Table = dict[tuple[str, str], tuple[CompiledRow, ...]]
 
 
-class _GuardCall:
-    """Adapts ``guard(room, event)`` to the transitions condition call ``(room, event, ctx)``."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[[Any, Any], bool]) -> None:
-        self.fn = fn
-
-    def __call__(self, room: Any, ev: Any, ctx: StepContext) -> bool:
-        return self.fn(room, ev)
-
-
-def _guard(name: str) -> _GuardCall:
+def _guard(name: str) -> Guard:
     fn = GUARDS.get(name)
     if fn is None:
         raise SpecError(f"unknown guard {name!r} (known: {sorted(GUARDS)})")
-    return _GuardCall(fn)
+    return fn
 
 
-def _bind_actions(names: Sequence[str], timers: Collection[str]) -> list[Callback]:
-    out: list[Callback] = []
+def bind_actions(names: Sequence[str], timers: Collection[str]) -> tuple[BoundAction, ...]:
+    """Resolve spec action names (``name`` or ``name:arg``) and check each argument."""
+    out: list[BoundAction] = []
     for spec_name in names:
         name, _, arg = spec_name.partition(":")
         fn = ACTIONS.get(name)
@@ -101,32 +87,50 @@ def _bind_actions(names: Sequence[str], timers: Collection[str]) -> list[Callbac
             raise SpecError(f"{spec_name!r}: {name} needs a text argument ({name}:why)")
         if isinstance(kind, tuple) and arg not in kind:
             raise SpecError(f"{spec_name!r}: argument must be one of {list(kind)}")
-        out.append(_Bound(name, fn, arg))
-    return out
+        out.append((fn, arg))
+    return tuple(out)
 
 
-@dataclass(frozen=True, slots=True)
-class CompiledRow:
-    row_id: str
-    conditions: tuple[Callable[[Any, Any], bool], ...]
-    unless: tuple[Callable[[Any, Any], bool], ...]
-    dest: str | None
-    # the row's ``after`` callbacks unwrapped: (action function, spec argument) of each _Bound in
-    # order, the closing _RowMark being ``row_id`` (one call per action, not two)
-    actions: tuple[tuple[Callable[[Any, Any, StepContext, str], None], str], ...]
+def compile_row(row: RowSpec, timers: Collection[str]) -> CompiledRow:
+    """One spec row, its guard and action names resolved (SpecError for an unknown name or a
+    bad argument)."""
+    return CompiledRow(
+        row_id=row.id,
+        conditions=tuple(_guard(g) for g in row.guards if not g.startswith("!")),
+        unless=tuple(_guard(g[1:]) for g in row.guards if g.startswith("!")),
+        dest=row.dest,
+        actions=bind_actions(row.actions, timers),
+    )
 
 
+def compile_rows(spec: MachineSpec) -> Table:
+    """The one compiler from a machine's spec rows to its dispatch table: every row filed under
+    each (source state, trigger) it declares, the rows of a pair in spec order."""
+    table: dict[tuple[str, str], list[CompiledRow]] = {}
+    for row in spec.rows:
+        compiled = compile_row(row, spec.timers)
+        for trigger in row.triggers:
+            for state in row.sources:
+                table.setdefault((state, trigger), []).append(compiled)
+    return {key: tuple(rows) for key, rows in table.items()}
+
+
+# One (state, trigger)'s rows as a function: the actions of the row taken, None if none is.
 RowFunction = Callable[[Any, Any, StepContext], "list[Action] | None"]
 
 
-def _row_function(key: tuple[str, str], rows: Sequence[CompiledRow]) -> RowFunction:
-    """One function for the rows of ``key`` (a state and a trigger), generated as dataclasses
-    generates ``__init__``: it takes the first row whose conditions hold and whose ``unless``
-    guards do not (entering its destination, calling its actions with their spec arguments in
-    order, recording the row as _RowMark does) and returns the actions; None if no row does.
+def row_function(key: tuple[str, str], rows: Sequence[CompiledRow]) -> RowFunction:
+    """The rows of ``key`` (a state and a trigger) as one function, generated from the compiled
+    rows as dataclasses generates ``__init__``: it takes the first row whose conditions hold and
+    whose ``unless`` guards do not, enters its destination, calls its actions with their spec
+    arguments in order, records the row's id and returns the actions; None if no row is taken.
     A guard that several rows test (P9-P11 all test chunk_ok) is evaluated once and its result
     kept: guards are pure functions of (room, event) and no action runs before a row is chosen,
-    so a second evaluation could only repeat the first."""
+    so a second evaluation could only repeat the first.
+
+    Generated rather than a closure that loops over the rows: the loops over rows, guards and
+    actions cost about a fifth of a step (docs/design.md has the figures). The source names only
+    the rows' own guard and action functions, their spec arguments, states and row ids."""
     names: dict[Callable[..., Any], str] = {}  # function -> its name in the generated code
     namespace: dict[str, Any] = {}
 
@@ -159,10 +163,77 @@ def _row_function(key: tuple[str, str], rows: Sequence[CompiledRow]) -> RowFunct
         lines.append(f"{indent}room.last_row = {row.row_id!r}")
         lines.append(f"{indent}return ctx.out")
     lines.append("    return None")
-    exec("\n".join(lines), namespace)  # noqa: S102 - code generated from the compiled rows only
+    exec("\n".join(lines), namespace)  # noqa: S102 - generated from the compiled rows only
     fn = namespace["step"]
     fn.__qualname__ = fn.__name__ = f"step[{key[0]}, {key[1]}]"
     return fn  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------- the reference interpreter
+
+
+class _GuardCall:
+    """Adapts ``guard(room, event)`` to the transitions condition call ``(room, event, ctx)``."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Guard) -> None:
+        self.fn = fn
+
+    def __call__(self, room: Any, ev: Any, ctx: StepContext) -> bool:
+        return self.fn(room, ev)
+
+
+class _ActionCall:
+    """An action with its spec argument, called as a transitions ``after`` callback."""
+
+    __slots__ = ("fn", "arg")
+
+    def __init__(self, fn: ActionFn, arg: str) -> None:
+        self.fn = fn
+        self.arg = arg
+
+    def __call__(self, room: Any, ev: Any, ctx: StepContext) -> None:
+        self.fn(room, ev, ctx, self.arg)
+
+
+class _RowMark:
+    """Last callback of every row: records which spec row fired (row coverage, tracing)."""
+
+    __slots__ = ("row_id",)
+
+    def __init__(self, row_id: str) -> None:
+        self.row_id = row_id
+
+    def __call__(self, room: Any, ev: Any, ctx: StepContext) -> None:
+        room.last_row = self.row_id
+
+
+def reference_machine(spec: MachineSpec) -> Machine:
+    """A ``transitions.Machine`` holding every row of ``spec`` as declared: fired with
+    ``trigger(room, room, event, ctx)``, it interprets the rows by its own rules (which
+    transitions a (state, trigger) has, in which order, which one fires). No model is ever added
+    (``add_model`` is O(n) per add): the room is passed as the event's first argument."""
+    m = Machine(
+        model=None,
+        states=list(spec.states),
+        initial=spec.initial,
+        auto_transitions=False,
+        send_event=False,
+        ignore_invalid_triggers=False,
+    )
+    for row in spec.rows:
+        compiled = compile_row(row, spec.timers)
+        conditions: list[Any] = [_GuardCall(g) for g in compiled.conditions]
+        unless: list[Any] = [_GuardCall(g) for g in compiled.unless]
+        after: list[Any] = [*(_ActionCall(fn, arg) for fn, arg in compiled.actions), _RowMark(row.id)]
+        for trigger in row.triggers:
+            for src in row.sources:
+                m.add_transition(trigger, src, row.dest, conditions=conditions, unless=unless, after=after)
+    return m
+
+
+# ---------------------------------------------------------------------- machines
 
 
 class RoomMachine:
@@ -177,56 +248,15 @@ class RoomMachine:
                 raise LocalProtocolError(f"{spec.name} has no timers {sorted(unknown)}; it has {sorted(self.timeouts)}")
             self.timeouts.update(timeouts)
         self._kvpoll = {name: (kvpoll[s.kvpoll] if s.kvpoll else None) for name, s in spec.states.items()}
-        self._timer_triggers = {t.trigger for t in spec.timers.values()}
-        self._on_create = _bind_actions(spec.on_create, spec.timers)
-        self._error_callbacks: tuple[Callback, ...] = (
-            *_bind_actions(spec.error_actions, spec.timers),
-            _RowMark("on_remote_error"),
-        )
-        self.machine = self._build_transitions()
-        self.table = self._compile()
-        self._steps = {key: _row_function(key, rows) for key, rows in self.table.items()}
+        self._on_create = bind_actions(spec.on_create, spec.timers)
+        self._on_error = bind_actions(spec.error_actions, spec.timers)
+        self.table: Table = compile_rows(spec)
+        self._steps = {key: row_function(key, rows) for key, rows in self.table.items()}
 
-    # ------------------------------------------------------------------ building
-
-    def _build_transitions(self) -> Machine:
-        m = Machine(
-            model=None,
-            states=list(self.spec.states),
-            initial=self.spec.initial,
-            auto_transitions=False,
-            send_event=False,
-            ignore_invalid_triggers=False,
-        )
-        for row in self.spec.rows:
-            conditions: list[Any] = [_guard(g) for g in row.guards if not g.startswith("!")]
-            unless: list[Any] = [_guard(g[1:]) for g in row.guards if g.startswith("!")]
-            after: list[Any] = [*_bind_actions(row.actions, self.spec.timers), _RowMark(row.id)]
-            for trigger in row.triggers:
-                for src in row.sources:
-                    m.add_transition(trigger, src, row.dest, conditions=conditions, unless=unless, after=after)
-        return m
-
-    def _compile(self) -> dict[tuple[str, str], tuple[CompiledRow, ...]]:
-        """Read the transitions machine back into a (state, trigger) -> rows dispatch table."""
-        table: dict[tuple[str, str], tuple[CompiledRow, ...]] = {}
-        for trigger, event in self.machine.events.items():
-            for state, transitions in event.transitions.items():
-                rows = []
-                for t in transitions:
-                    *bound, mark = t.after  # as _build_transitions made them: actions, then the row mark
-                    assert isinstance(mark, _RowMark) and all(isinstance(cb, _Bound) for cb in bound), t.after
-                    rows.append(
-                        CompiledRow(
-                            row_id=mark.row_id,
-                            conditions=tuple(cast(_GuardCall, c.func).fn for c in t.conditions if c.target),
-                            unless=tuple(cast(_GuardCall, c.func).fn for c in t.conditions if not c.target),
-                            dest=t.dest,
-                            actions=tuple((cb.fn, cb.arg) for cb in cast(list[_Bound], bound)),
-                        )
-                    )
-                table[(state, trigger)] = tuple(rows)
-        return table
+    @functools.cached_property
+    def machine(self) -> Machine:
+        """The reference interpreter of this machine's rows (built on first use)."""
+        return reference_machine(self.spec)
 
     # ------------------------------------------------------------------ rooms
 
@@ -234,8 +264,8 @@ class RoomMachine:
         """Put a fresh room in the initial state; returns the on_create actions (timers)."""
         room.state = self.spec.initial
         ctx = StepContext(now, self.timeouts, source=self.spec.initial)
-        for cb in self._on_create:
-            cb(room, None, ctx)
+        for fn, arg in self._on_create:
+            fn(room, None, ctx, arg)
         return ctx.out
 
     def kvpoll(self, room: PrefillRoom | DecodeRoom) -> int:
@@ -265,7 +295,7 @@ class RoomMachine:
         return self._reject(room, event, ctx, self.table.get((state, event.trigger)))
 
     def step_reference(self, room: Any, event: Event, now: float) -> list[Action]:
-        """Apply ``event`` by firing the ``transitions`` machine itself (reference interpreter)."""
+        """Apply ``event`` by firing the ``transitions`` machine (the reference interpreter)."""
         ctx = StepContext(now, self.timeouts, source=room.state)
         ev = self.machine.events.get(event.trigger)
         if ev is not None and room.state in ev.transitions and ev.trigger(room, room, event, ctx):
@@ -292,8 +322,9 @@ class RoomMachine:
             ctx.out.append(RecordProtocolError(why))
             return ctx.out
         room.state = self.spec.error_dest
-        for cb in self._error_callbacks:
-            cb(room, event, ctx)
+        for fn, arg in self._on_error:
+            fn(room, event, ctx, arg)
+        room.last_row = "on_remote_error"
         ctx.out.append(RecordProtocolError(why))
         return ctx.out
 
