@@ -14,7 +14,7 @@ A PageRun is a drop-in for the tuple of its pages: it iterates, indexes and slic
 equal to that tuple (and to any PageRun of the same pages) and hashes like it, so records that
 hold one compare and hash as before (the model checker, duplicate detection). It is made where a
 run is known or checked at no per-page cost in Python: a ``range`` or an integer array the
-engine hands over, a list checked as one run in C (``kvfsm.runtime.manager.as_pages``), and
+engine hands over, a list checked as one run in C (``kvfsm.runtime.pages.as_pages``), and
 beside a decode rank's announced tuple once per room (``Announcement.span``: a long chunk
 slices the span, a short one the tuple). Short runs stay tuples: there a tuple is cheaper.
 """
