@@ -13,7 +13,7 @@ calls the action functions, which emit action objects, and the runtime then disp
 by type; for these rows that machinery costs more than the rows' own work (``bench/core.py``
 ``nixl_path`` and ``decode_path``: the CPU per chunk with and without this module).
 
-``chunk``, ``run_chunk``, ``completion`` and ``arrival`` apply those rows directly: the same
+``chunk``, ``completion`` and ``arrival`` apply those rows directly: the same
 tests (the spec's guard functions), the same changes to the room (its state included: the
 caller tells the runtime of a change as it does after a step), and they return only what the
 runtime must still carry out. They are an optimisation of the spec's rows, proven equal to the
@@ -46,7 +46,7 @@ from kvfsm.protocol import functions as f
 from kvfsm.protocol.actions import PostAuxWrite
 from kvfsm.protocol.events import AUX_WRITE, ChunkArrived, ChunkReady
 from kvfsm.protocol.machine import CompiledRow, RoomMachine, compile_rows
-from kvfsm.protocol.pages import Pages
+from kvfsm.protocol.pages import PageRun, Pages
 from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
 from kvfsm.protocol.spec import load_spec
 from kvfsm.protocol.wire import ChunkWritten
@@ -95,26 +95,42 @@ def applies(machine: RoomMachine) -> bool:
     return True
 
 
-# what P10 and P11 leave to the caller: chunk id, notification, per decode rank (rank,
-# destination pages, contiguous), whether the input timer was armed, and (P10) the aux writes,
-# one per decode rank in the same order (none for P11)
+# What P10 and P11 leave to the caller, in one of two shapes. ChunkPosts (five items): chunk
+# id, notification, per decode rank (rank, destination pages, contiguous), whether the input
+# timer was armed, and (P10) the aux writes, one per decode rank in the same order (none for
+# P11). RunPosts (eight items), where the chunk is one write of one run of pages to one decode
+# rank: chunk id, decode rank, the chunk's first page and length, the first destination page,
+# the chunk's first index into the announcement, whether the input timer was armed, and the
+# decode rank's aux slot (the aux write's destination, with the last chunk); the caller builds
+# the write and its notification from these fields, as ``functions.advance`` and
+# ``functions.aux_write`` would build them.
 ChunkPosts = tuple[int, ChunkWritten, list[tuple[int, Pages, bool]], bool, Sequence[PostAuxWrite]]
+RunPosts = tuple[int, int, int, int, int, int, bool, int]
 
 
-def chunk(room: PrefillRoom, ev: ChunkReady) -> ChunkPosts | None:
-    """Row P11, or P10 for the last chunk, for ``ev`` where the generic step takes it (a valid
+def chunk(room: PrefillRoom, pages: Pages, is_last: bool, aux_slot: int | None) -> ChunkPosts | RunPosts | None:
+    """Row P11, or P10 for the last chunk, for the chunk ``ChunkReady(pages, is_last,
+    aux_slot)`` (``ev`` below) where the generic step takes it (a valid
     chunk that fits, in WaitingForInput or Transferring.Sending): the room updated as the row
     updates it (its state too: the caller tells the runtime of a change, as after a step), and
-    what its actions leave to the caller: the chunk's writes as ``functions.advance`` gives them
-    (chunk id, notification, per decode rank (rank, destination pages, contiguous): a PostWrite
-    each, of ``ev.pages``), whether the input timer was armed (both rows cancel it) and, for the
-    last chunk, the aux writes (``functions.aux_write``; each goes after its rank's PostWrite).
-    The transfer timer is armed in ``room.timers``: the caller sets its deadline. None, the room
-    untouched, where the generic step would take another row or none."""
+    what its actions leave to the caller. For a chunk whose pages are a ``PageRun`` (the form
+    the runtime gives every ascending run an engine hands over) going as one write of one run
+    to one decode rank, a ``RunPosts`` (eight items: no notification, page list or aux write
+    object is built); otherwise a ``ChunkPosts``: the chunk's writes as ``functions.advance``
+    gives them (chunk id, notification, per decode rank (rank, destination pages, contiguous):
+    a PostWrite each, of ``ev.pages``), whether the input timer was armed (both rows cancel it)
+    and, for the last chunk, the aux writes (``functions.aux_write``; each goes after its
+    rank's PostWrite). The transfer timer is armed in ``room.timers``: the caller sets its
+    deadline. None, the room untouched, where the generic step would take another row or none."""
     state = room.state
     if state != SENDING and state != WAITING:
         return None
-    last = ev.is_last
+    if type(pages) is PageRun:
+        run = _one_run(room, pages._r, is_last, aux_slot)
+        if run is not None:
+            return run
+    ev = ChunkReady(pages, is_last, aux_slot)
+    last = is_last
     if not f.chunk_ok(room, ev) or not f.chunk_fits(room, ev):
         return None  # no row (an invalid chunk) or P9 (a chunk that does not fit): generic
     timers = room.timers
@@ -128,25 +144,23 @@ def chunk(room: PrefillRoom, ev: ChunkReady) -> ChunkPosts | None:
     return chunk_id, note, writes, cancelled, [f.aux_write(room, ev, w[0]) for w in writes] if last else ()
 
 
-# what run_chunk leaves to the caller: chunk id, decode rank, the first destination page, the
-# chunk's first index into the announcement, whether the input timer was armed, and the decode
-# rank's aux slot (the aux write's destination, with the last chunk)
-RunPosts = tuple[int, int, int, int, bool, int]
-
-
-def run_chunk(room: PrefillRoom, first: int, n: int, aux_slot: int | None = None) -> RunPosts | None:
-    """Row P11 (``aux_slot`` None) or P10 (the last chunk, with its aux slot) for a chunk of the
-    ``n`` pages ``first, first + 1, ...`` (the caller knows they are one ascending run of ints:
-    ``chunk`` is given them as such), where ``chunk`` would take it and post exactly one write of
-    one segment (and, with the last chunk, its one aux write): a room in WaitingForInput or
-    Transferring.Sending with one decode rank, whose announced pages are one ascending run. The
-    room updated exactly as ``chunk`` updates it (its state too: the caller tells the runtime of
-    a change, as after a step); returns what ``RunPosts`` lists, from which the caller builds
-    the write, its notification (``functions.advance``'s, for ``n`` pages) and, with the last
-    chunk, the aux write (``functions.aux_write``'s). None, the room untouched, otherwise
-    (``chunk`` or the generic step then takes the chunk)."""
-    state = room.state
-    if (state != SENDING and state != WAITING) or room.last_seen or n < 1 or first < 0 or first + n > room.kv_pages:
+def _one_run(room: PrefillRoom, r: range, is_last: bool, aux_slot: int | None) -> RunPosts | None:
+    """``chunk`` for a chunk of a PageRun (its range ``r``: ascending, distinct pages >= 0) where
+    it posts exactly one write of one segment (and, with the last chunk, its one aux write): a
+    room in WaitingForInput or Transferring.Sending (the caller checked) with one decode rank,
+    whose announced pages are one ascending run. None, the room untouched, otherwise: ``chunk``
+    then takes the general branch, which also refuses what this refuses as invalid or not
+    fitting."""
+    n = len(r)  # (the PageRun's range: its bounds without a Python-level call)
+    if not n:
+        return None
+    first = r.start
+    if is_last:
+        if type(aux_slot) is not int:
+            return None  # an invalid last chunk: the general branch refuses it
+    elif aux_slot is not None:
+        return None  # an aux slot on a chunk that is not the last: invalid
+    if room.last_seen or first + n > room.kv_pages:
         return None
     dests = room.dests
     if len(dests) != 1:
@@ -179,7 +193,7 @@ def run_chunk(room: PrefillRoom, first: int, n: int, aux_slot: int | None = None
     room.cursor = end
     room.next_chunk = chunk_id + 1
     timers.add(TIMER)
-    return chunk_id, dest, ann.pages[start], start, cancelled, ann.aux_slot
+    return chunk_id, dest, first, n, ann.pages[start], start, cancelled, ann.aux_slot
 
 
 def completion(room: PrefillRoom, dest: int, chunk_id: int) -> bool:

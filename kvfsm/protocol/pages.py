@@ -141,6 +141,14 @@ EMPTY_SUMMARY = (0, -1, True, True)
 _SUMMARY: tuple[Any, tuple[int, int, bool, bool]] = ((), EMPTY_SUMMARY)  # the last tuple summarised
 
 
+def known_run(first: int, n: int) -> PageRun:
+    """The PageRun of pages first, ..., first + n - 1 where the caller has checked ``first`` >= 0
+    and ``n`` >= 0 (no ``__init__`` and its checks: the engine's per-chunk path builds one)."""
+    run = _new(PageRun)
+    run._r = range(first, first + n)
+    return run
+
+
 def run_of(first: int, n: int) -> Pages:
     """The pages first, first + 1, ..., first + n - 1 (``first`` >= 0): a PageRun, or a tuple
     for a short run."""

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvfsm.protocol import LocalProtocolError
-from kvfsm.protocol.pages import RUN_MIN, PageRun, Pages, page_summary, run_bytes, run_of
+from kvfsm.protocol.pages import PageRun, Pages, known_run, page_summary, run_bytes
 from kvfsm.transport.base import Segment, SegmentArray
 
 # Pages in a chunk from which one that is not a single run is coalesced with numpy, into a
@@ -84,27 +84,27 @@ def coalesce(
 def as_pages(pages: Any) -> Pages:
     """Page indices as exact Python ints, whatever the engine holds them in: a list, tuple or
     range of ints, or a 1-D integer array (numpy, torch: SGLang passes ``kv_indices`` as numpy).
-    One ascending run of at least RUN_MIN pages becomes a PageRun (no per-page cost after this
-    check, which is done in C: a range by construction, an array vectorised, a list converted
-    to int64 in one call); anything else a tuple. Anything that is not integers (floats, bools,
+    This is the one normalisation of a chunk's pages: the rest of the path (the chunk's event,
+    the fast rows, the writes, ``coalesce``) carries what it returns and never checks the pages
+    again. One ascending run of two pages or more becomes a PageRun, so that "is it one run?"
+    costs nothing afterwards (the check is done here, in C: a range by construction, an array
+    vectorised, a list packed to int64 in one call); anything else a tuple. Anything that is not integers (floats, bools,
     nested lists, strings) raises LocalProtocolError before the room changes: a numpy scalar
     left in a page list would otherwise fail only when the message is encoded, after the room
     had already moved on."""
     if type(pages) is list or type(pages) is tuple:  # the usual inputs
-        if len(pages) >= RUN_MIN:
-            run = _list_run(pages)
-            if run is not None:
-                return run
+        if len(pages) >= 2 and _is_list_run(pages):
+            return known_run(pages[0], len(pages))
     else:
         if type(pages) is range and pages.step == 1 and pages.start >= 0:
-            return run_of(pages.start, len(pages))  # one ascending run by construction: no check
+            return _run(pages.start, len(pages))  # one ascending run by construction: no check
         array_run = _array_run(pages)
         if array_run is not None:
             return array_run
         tolist = getattr(pages, "tolist", None)
         if tolist is not None and not isinstance(pages, list | tuple | range):
             pages = tolist()  # a tensor, or an array that is not one run
-            if type(pages) is list and len(pages) >= RUN_MIN:
+            if type(pages) is list and len(pages) >= 2:
                 run = _list_run(pages)
                 if run is not None:
                     return run
@@ -122,7 +122,7 @@ def as_pages(pages: Any) -> Pages:
 def _list_run(pages: list[Any] | tuple[Any, ...]) -> PageRun | None:
     """A list or tuple that is one ascending run of pages >= 0, as a PageRun, else None (the
     general path checks and converts it); see ``_is_list_run``."""
-    return PageRun(pages[0], len(pages)) if _is_list_run(pages) else None
+    return known_run(pages[0], len(pages)) if _is_list_run(pages) else None
 
 
 def _is_list_run(pages: list[Any] | tuple[Any, ...]) -> bool:
@@ -172,7 +172,13 @@ def _array_run(pages: Any) -> Pages | None:
             return None
     elif pages.astype(np.int64, copy=False).tobytes() != want:
         return None
-    return run_of(lo, n)
+    return _run(lo, n)
+
+
+def _run(first: int, n: int) -> Pages:
+    """The pages first, first + 1, ..., first + n - 1 (``first`` >= 0) in ``as_pages``' form: a
+    PageRun from two pages on."""
+    return known_run(first, n) if n >= 2 else tuple(range(first, first + n))
 
 
 def as_index(x: Any, what: str) -> int:

@@ -23,7 +23,7 @@ from kvfsm.protocol.routing import (
 )
 from kvfsm.protocol.wire import AbortNotice, Message, Register, RegisterAck, RoomPages
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, log
-from kvfsm.runtime.pages import _is_list_run, as_index, as_pages, coalesce
+from kvfsm.runtime.pages import as_index, as_pages, coalesce
 from kvfsm.transport.base import Inbound, Segment, SegmentArray, Write, write_many
 
 _LENGTH = attrgetter("length")  # of a Segment (map in C: one write has one segment, mostly)
@@ -47,13 +47,12 @@ class KVSender(RoomHandle):
         integer numpy array or tensor); the last chunk carries the aux slot. Chunks ready before
         decode announced its pages are held (scenario 2). Raises LocalProtocolError on misuse (a
         chunk after the last, pages outside the KV region, indices that are not integers)."""
-        if is_last is True:
-            if type(aux_slot) is int and self.manager._send_run(self.room, pages, aux_slot):
-                return
-        elif aux_slot is None and not is_last and self.manager._send_run(self.room, pages):
-            return
-        slot = None if aux_slot is None else as_index(aux_slot, "aux_slot")
-        self.manager._chunk(self.room, ChunkReady(as_pages(pages), bool(is_last), slot))
+        slot = aux_slot if aux_slot is None or type(aux_slot) is int else _slot(aux_slot)
+        self.manager._chunk(self.room, as_pages(pages), is_last is True or bool(is_last), slot)
+
+
+def _slot(aux_slot: Any) -> int:
+    return as_index(aux_slot, "aux_slot")
 
 
 class PrefillManager(Manager):
@@ -102,9 +101,7 @@ class PrefillManager(Manager):
                 self._batch, self._batch_bytes, self._batch_segments = [], 0, 0
             try:
                 for item in chunks:
-                    if not self._run_item(item):
-                        rid, event = self._chunk_item(item)
-                        self._chunk(rid, event)
+                    self._chunk(*self._chunk_item(item))
             finally:
                 if outer is None:
                     batch, self._batch = self._batch, None
@@ -114,28 +111,9 @@ class PrefillManager(Manager):
                         self.telemetry.count2("writes_posted", runs, "descriptors", runs)
                     self._hand_batch([*(batch or []), *aux])
 
-    def _run_item(self, item: Sequence[Any]) -> bool:
-        """A send_many() item taken by the leanest path (``_send_run``), as ``send()`` takes it:
-        its pages a list that is one ascending run of ints, its room an int or this manager's
-        sender, and either not the last chunk or the last (``True``) with an int aux slot. False,
-        nothing done, otherwise."""
-        k = len(item)
-        slot = None
-        if k == 4 and item[2] is True:
-            slot = item[3]
-            if type(slot) is not int:
-                return False
-        elif not (k == 2 or (k == 3 and item[2] is False) or (k == 4 and item[2] is False and item[3] is None)):
-            return False
-        room, pages = item[0], item[1]
-        if type(room) is not int:
-            if not isinstance(room, KVSender) or room.manager is not self:
-                return False
-            room = room.room
-        return self._send_run(room, pages, slot)
-
-    def _chunk_item(self, item: Sequence[Any]) -> tuple[int, ChunkReady]:
-        """One send_many() item as (room id, ChunkReady); LocalProtocolError if malformed."""
+    def _chunk_item(self, item: Sequence[Any]) -> tuple[int, Pages, bool, int | None]:
+        """One send_many() item normalised as ``send()`` normalises its arguments: (room id,
+        pages, is_last, aux slot); LocalProtocolError if malformed."""
         if not 2 <= len(item) <= 4:
             raise LocalProtocolError(f"send_many: an item is (room, pages[, is_last[, aux_slot]]), not {item!r}")
         room = item[0]
@@ -143,78 +121,69 @@ class PrefillManager(Manager):
             if room.manager is not self:
                 raise LocalProtocolError(f"send_many: room {room.room}'s sender belongs to another manager")
             room = room.room
-        slot = item[3] if len(item) > 3 else None
-        is_last = bool(item[2]) if len(item) > 2 else False
-        event = ChunkReady(as_pages(item[1]), is_last, None if slot is None else as_index(slot, "aux_slot"))
-        return as_index(room, "room"), event
+        k = len(item)
+        slot = item[3] if k > 3 else None
+        if slot is not None and type(slot) is not int:
+            slot = _slot(slot)
+        rid = room if type(room) is int else as_index(room, "room")
+        return rid, as_pages(item[1]), k > 2 and (item[2] is True or bool(item[2])), slot
 
-    def _chunk(self, rid: int, event: ChunkReady) -> None:
-        """The engine's chunk: row P11 or P10 applied directly where it is the row taken
-        (fastpath), else the generic step (``_local``: misuse raises LocalProtocolError, the room
-        unchanged)."""
+    def _chunk(self, rid: int, pages: Pages, is_last: bool, aux_slot: int | None) -> None:
+        """The engine's chunk, its pages normalised once at the API boundary (``as_pages``: the
+        one form the rest of the path carries): row P11 or P10 applied directly where it is the
+        row taken (``fastpath.chunk``, the one fast path), its writes posted as the row's actions
+        would post them; else the generic step of ``ChunkReady`` (``_local``: misuse raises
+        LocalProtocolError, the room unchanged)."""
         with self._lock:
             rt = self._rooms.get(rid)
             if rt is not None and self.fast_rows and not self._draining and not self._queue:
                 before = rt.room.state
-                done = fastpath.chunk(rt.room, event)
+                done = fastpath.chunk(rt.room, pages, is_last, aux_slot)
                 if done is not None:
-                    self._chunk_posted(rt, event.pages, done, before)
+                    if len(done) == 8:  # RunPosts: one write of one run to one decode rank
+                        self._run_posted(rt, aux_slot if is_last else None, done, before)
+                    else:
+                        self._chunk_posted(rt, pages, done, before)
                     return
-            self._local(rid, event)
+            self._local(rid, ChunkReady(pages, is_last, aux_slot))
 
-    def _send_run(self, rid: int, pages: Any, aux_slot: int | None = None) -> bool:
-        """The leanest path of a chunk whose pages (a list) are one ascending run of ints, from
-        ``send()`` or ``send_many()``: row P11, or P10 for the last chunk (``aux_slot``), as
-        ``fastpath.run_chunk`` applies it, carried out as ``_chunk_posted`` carries out the row
-        (the room's change of state, the timers) and its one write of one segment (and the aux
-        write) posted as ``_post_kv`` and ``_post`` would post them (``_post_run``), without the
-        chunk's event, its page tuple, the notification's object or the segment list. False,
-        nothing done, where it does not apply (pages in any other form, the fast rows off,
-        events queued, or ``run_chunk`` refusing the chunk): the caller then takes the usual
-        path (which also raises for a misuse)."""
-        if type(pages) is not list or len(pages) < 2 or not _is_list_run(pages):
-            return False  # (one ascending run of ints, checked in C)
-        first, n = pages[0], len(pages)
-        with self._lock:
-            rt = self._rooms.get(rid)
-            if rt is None or not self.fast_rows or self._draining or self._queue:
-                return False
-            room = rt.room
-            before = room.state
-            got = fastpath.run_chunk(room, first, n, aux_slot)
-            if got is None:
-                return False
-            chunk_id, dest, dst_first, start, cancelled, dst_slot = got
-            self._row_taken(rt, before, cancelled)
-            self._draining = self._fast_posting = True  # as _chunk_posted: completions meanwhile
+    def _run_posted(self, rt: RoomRuntime, aux_slot: int | None, done: fastpath.RunPosts, before: str) -> None:
+        """Carry out row P11 or P10 taken directly as one write of one run (``fastpath.chunk``'s
+        RunPosts) as ``_chunk_posted`` carries out the row (the room's change of state, the
+        timers), its write and, with the last chunk, its aux write posted as ``_post_kv`` and
+        ``_post`` would post them (``_post_run``), from their fields: no segment list, page
+        tuple or notification object is built. The lock held."""
+        chunk_id, dest, first, n, dst_first, start, cancelled, dst_slot = done
+        rid = rt.room.room
+        self._row_taken(rt, before, cancelled)
+        self._draining = self._fast_posting = True  # as _chunk_posted: completions meanwhile
+        try:
+            page = self.page_bytes
+            tag = (rid, dest, chunk_id)
             try:
-                page = self.page_bytes
-                tag = (rid, dest, chunk_id)
+                note = self._pack_note(rid, rt.room.rank, chunk_id, aux_slot is not None, start, n)
+            except Exception as exc:  # noqa: BLE001 - as _post_kv: the write fails, not the step
+                self._fail_write(tag, exc)
+            else:
+                self._post_run(rt, tag, "kv", first * page, dst_first * page, n * page, note)
+            if aux_slot is not None:
+                tag = (rid, dest, AUX_WRITE)
+                size = self.aux_slot_bytes
                 try:
-                    note = self._pack_note(rid, room.rank, chunk_id, aux_slot is not None, start, n)
-                except Exception as exc:  # noqa: BLE001 - as _post_kv: the write fails, not the step
+                    note = self._pack_aux(rid, rt.room.rank)
+                except Exception as exc:  # noqa: BLE001 - as _post: the write fails, not the step
                     self._fail_write(tag, exc)
                 else:
-                    self._post_run(rt, tag, "kv", first * page, dst_first * page, n * page, note)
-                if aux_slot is not None:
-                    tag = (rid, dest, AUX_WRITE)
-                    size = self.aux_slot_bytes
-                    try:
-                        note = self._pack_aux(rid, room.rank)
-                    except Exception as exc:  # noqa: BLE001 - as _post: the write fails, not the step
-                        self._fail_write(tag, exc)
-                    else:
-                        self._post_run(rt, tag, "aux", aux_slot * size, dst_slot * size, size, note)
-            finally:
-                self._draining = self._fast_posting = False
-            if self._queue:
-                self._drain()
-            return True
+                    self._post_run(rt, tag, "aux", aux_slot * size, dst_slot * size, size, note)
+        finally:
+            self._draining = self._fast_posting = False
+        if self._queue:
+            self._drain()
 
     def _post_run(
         self, rt: RoomRuntime, tag: WriteTag, region: str, src: int, dst: int, length: int, note: bytes
     ) -> None:
-        """``_send_run``'s writes (one segment each, byte offsets), as ``_post_kv`` and ``_post``
+        """``_run_posted``'s writes (one segment each, byte offsets), as ``_post_kv`` and ``_post``
         post them: with no transfer workers and no send_many() under way, handed straight to the
         endpoint's ``write_run`` if it has one (what ``_hand`` and ``_write`` would do, inline);
         a send_many()'s KV write added to its batch (as ``_hand`` adds it); else through

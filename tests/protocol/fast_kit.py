@@ -14,12 +14,15 @@ import dataclasses
 from hypothesis import strategies as st
 from protocol_kit import KV_PAGES, MACHINES, ready, snapshot
 
-from kvfsm.protocol import CancelTimer, PostWrite, SetTimer, fastpath
+from kvfsm.protocol import CancelTimer, PostAuxWrite, PostWrite, SetTimer, fastpath
 from kvfsm.protocol.events import ChunkArrived, ChunkReady, WriteCompleted
+from kvfsm.protocol.pages import PageRun
+from kvfsm.protocol.wire import AuxWritten, ChunkWritten
+from kvfsm.runtime.pages import as_pages
 
 M = MACHINES["prefill"]
 TRANSFER_S = M.timeouts[fastpath.TIMER]
-LEAN_STATES = (fastpath.WAITING, fastpath.SENDING)  # where run_chunk may apply
+LEAN_STATES = (fastpath.WAITING, fastpath.SENDING)  # where the one-run shape may apply
 
 
 def _fields(actions):
@@ -27,14 +30,28 @@ def _fields(actions):
     return [(type(a).__name__, dataclasses.astuple(a), getattr(a, "contiguous", None)) for a in actions]
 
 
-def check_chunk(room, ev: ChunkReady, now: float) -> bool:
+def check_chunk(room, ev: ChunkReady, now: float) -> str | None:
+    """``fastpath.chunk`` against the generic step; where it applies, the row it took ("P10" or
+    "P11", "run P10" or "run P11" where it gave the one-run shape, RunPosts), else None."""
     fast, generic = copy.deepcopy(room), copy.deepcopy(room)
-    got = fastpath.chunk(fast, ev)
+    got = fastpath.chunk(fast, ev.pages, ev.is_last, ev.aux_slot)
     if got is None:
         assert snapshot(fast) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
-        return False
+        return None
     actions = M.step(generic, ev, now)  # the fast row applied: the generic step must accept it too
-    chunk_id, note, writes, cancelled, aux = got
+    row = "P10" if ev.is_last else "P11"
+    if len(got) == 8:  # RunPosts: one write of one run to one decode rank, built from its fields
+        chunk_id, dest, first, n, dst_first, start, cancelled, dst_slot = got
+        assert type(ev.pages) is PageRun and list(room.dests) == [dest], f"{ev} in {room.state}: {got}"
+        assert (first, n) == (ev.pages[0], len(ev.pages))
+        dst = room.dests[dest].pages[start : start + n]
+        assert dst[0] == dst_first
+        note = ChunkWritten(room.room, room.rank, chunk_id, ev.is_last, start, n)
+        writes = [(dest, dst, True)]
+        aux = [PostAuxWrite(room.room, dest, ev.aux_slot, dst_slot, AuxWritten(room.room, room.rank))] if ev.is_last else []
+        row = "run " + row
+    else:
+        chunk_id, note, writes, cancelled, aux = got
     want: list = [CancelTimer(fastpath.INPUT)] if cancelled else []
     for i, (d, dst, one_run) in enumerate(writes):
         want.append(PostWrite(room.room, d, chunk_id, ev.pages, dst, note, one_run))
@@ -42,39 +59,32 @@ def check_chunk(room, ev: ChunkReady, now: float) -> bool:
     want.append(SetTimer(fastpath.TIMER, now + TRANSFER_S))
     assert len(aux) == (len(writes) if ev.is_last else 0)
     assert _fields(actions) == _fields(want), f"{ev} in {room.state}"
-    assert generic.last_row == ("P10" if ev.is_last else "P11")
+    assert generic.last_row == row[-3:]
     assert snapshot(fast) == snapshot(generic), f"{ev} in {room.state}: rooms differ"
-    return True
+    return row
 
 
-def check_run_chunk(room, ev: ChunkReady) -> bool:
-    """``run_chunk`` (the runtime's leanest path) against ``chunk`` for a chunk that is one run
-    of pages (the last one with its aux slot): where it applies, ``chunk`` applies too, with
-    exactly its one write of one segment (and, for the last chunk, its one aux write), and both
-    leave the room the same; where it refuses, its copy is untouched and ``chunk`` does not take
-    P11 or P10 with one such write either."""
-    pages, n = ev.pages, len(ev.pages)
-    if not n or tuple(pages) != tuple(range(pages[0], pages[0] + n)) or ev.is_last != (ev.aux_slot is not None):
+def as_engine_hands_it(ev: ChunkReady) -> ChunkReady:
+    """``ev`` with its pages in the form the runtime gives every chunk (``as_pages``: a PageRun
+    for an ascending run of two pages or more)."""
+    return ChunkReady(as_pages(ev.pages), ev.is_last, ev.aux_slot)
+
+
+def check_run_chunk(room, ev: ChunkReady, now: float) -> bool:
+    """``check_chunk`` for ``ev`` as the runtime hands it over (its pages a PageRun where they
+    are a run); True where ``fastpath.chunk`` took the one-run shape (RunPosts) and it equals
+    the generic step. Where the pages are a run and one write of one run to one decode rank is
+    what the generic step posts, that shape must have been taken."""
+    ev = as_engine_hands_it(ev)
+    if type(ev.pages) is not PageRun:
         return False
-    lane, full = copy.deepcopy(room), copy.deepcopy(room)
-    got = fastpath.run_chunk(lane, pages[0], n, ev.aux_slot)
-    done = fastpath.chunk(full, ev)
-    if got is None:
-        assert snapshot(lane) == snapshot(room), f"{ev} in {room.state}: refused, yet the room changed"
-        if done is not None:
-            assert len(done[2]) != 1 or not done[2][0][2], f"{ev} in {room.state}: run_chunk refused a one-run row"
+    row = check_chunk(room, ev, now)
+    if row is None or not row.startswith("run"):
+        if row is not None:
+            generic = copy.deepcopy(room)
+            posts = [a for a in M.step(generic, ev, now) if isinstance(a, PostWrite)]
+            assert not (len(posts) == 1 and posts[0].contiguous), f"{ev} in {room.state}: one run, not taken as one"
         return False
-    assert done is not None, f"{ev} in {room.state}: run_chunk applied, chunk did not"
-    chunk_id, note, writes, cancelled, aux = done
-    assert len(writes) == 1
-    dest, dst, one_run = writes[0]
-    assert one_run and got == (chunk_id, dest, dst[0], note.page_start, cancelled, room.dests[dest].aux_slot)
-    assert (note.room, note.src, note.is_last, note.num_pages) == (room.room, room.rank, ev.is_last, n)
-    if ev.is_last:
-        assert [(a.dest_rank, a.src_slot, a.dst_slot) for a in aux] == [(dest, ev.aux_slot, got[5])]
-    else:
-        assert not aux
-    assert snapshot(lane) == snapshot(full), f"{ev} in {room.state}: rooms differ"
     return True
 
 

@@ -1,7 +1,8 @@
 """The proof that the fast rows are the spec's rows: every (state, event) pair.
 
 Every leaf state of each machine x every event type a fast row takes (prefill: ``chunk_ready``
-through ``fastpath.chunk`` and ``fastpath.run_chunk``, ``write_completed`` through
+through ``fastpath.chunk`` (its pages a tuple, and a PageRun as the runtime hands a run over),
+``write_completed`` through
 ``fastpath.completion``; decode: ``chunk_arrived`` through ``fastpath.arrival``). A room is
 driven into the state along a path the protocol allows (``protocol_kit.reachable``), an event is
 drawn to take each branch of the rows' guards (a chunk that is valid or not, fits or not, last or
@@ -46,7 +47,7 @@ EXPECTED = {
 @st.composite
 def _announced_as_runs(draw, state):
     """A prefill room in ``state`` (WaitingForInput, Sending or Draining) whose decode ranks
-    announced ascending runs of pages, mostly one rank: where ``run_chunk`` applies (the random
+    announced ascending runs of pages, mostly one rank: where the one-run shape applies (the random
     pages of ``reachable`` are seldom a run)."""
     m = MACHINES["prefill"]
     dests = draw(st.sampled_from([(0,), (0,), (1,), (0, 2)]))
@@ -112,12 +113,11 @@ def _generic_row(kind, room, event) -> str:
 def _prove(kind, room, event, now: float) -> list[str]:
     """Fast row against generic step for one (room, event); the outcomes seen."""
     if event.trigger == "chunk_ready":
-        seen = []
-        if check_run_chunk(room, event):
-            seen.append("run P10" if event.is_last else "run P11")
-        if check_chunk(room, event, now):
-            return [*seen, "P10" if event.is_last else "P11"]
-        assert not seen, f"{event} in {room.state}: run_chunk applied, chunk did not"
+        seen = ["run P10" if event.is_last else "run P11"] if check_run_chunk(room, event, now) else []
+        row = check_chunk(room, event, now)  # (the event's pages a tuple: the general shape)
+        if row is not None:
+            return [*seen, row]
+        assert not seen, f"{event} in {room.state}: taken as one run, not as a tuple of pages"
         return [_generic_row(kind, room, event)]
     if event.trigger == "write_completed":
         final = room.state == fastpath.DRAINING and len(room.inflight) == 1

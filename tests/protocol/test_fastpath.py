@@ -97,8 +97,8 @@ def test_fast_rows_change_a_room_as_the_generic_step_does(data):
         trigger = data.draw(_TRIGGERS, label="trigger")
         event = _event(data, trigger, room)
         now += data.draw(st.floats(0.0, 50.0), label="dt")
-        if trigger == "chunk_ready" and check_run_chunk(room, event):
-            label(f"fast {'P10' if event.is_last else 'P11'} as one run (run_chunk)")
+        if trigger == "chunk_ready" and check_run_chunk(room, event, now):
+            label(f"fast {'P10' if event.is_last else 'P11'} as one run (RunPosts)")
         if trigger == "chunk_ready" and check_chunk(room, event, now):
             label(f"fast {'P10' if event.is_last else 'P11'} from {room.state}")
         if trigger == "write_completed" and check_completion(room, event, now):
@@ -121,7 +121,7 @@ def _sending_room(dests=(0,), pages_per_dest=8):
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_run_chunk_changes_a_room_as_chunk_does(data):
+def test_a_chunk_of_one_run_changes_a_room_as_the_generic_step_does(data):
     """Rooms where the leanest path mostly applies (one decode rank, in WaitingForInput or
     Sending, chunks that are runs, the last one too), and now and then where it must not (pages
     announced out of order, several decode ranks, a chunk that does not fit, a last chunk that
@@ -146,14 +146,14 @@ def test_run_chunk_changes_a_room_as_chunk_does(data):
         pages = tuple(range(first, first + k))
         last = k == left or data.draw(st.integers(0, 9), label="last") == 0
         ev = ready(pages, last=last, aux=data.draw(st.sampled_from([0, 1, AUX_SLOTS]), label="aux"))
-        applied += check_run_chunk(room, ev)
+        applied += check_run_chunk(room, ev, 3.0)
         try:
             M.step(room, ev, 3.0)
         except LocalProtocolError:
             pass
         if room.inflight and data.draw(st.booleans(), label="complete"):
             M.step(room, WriteCompleted(*sorted(room.inflight)[0]), 4.0)
-    label(f"run_chunk applied {min(applied, 3)}+ times")
+    label(f"the one-run shape applied {min(applied, 3)}+ times")
 
 
 @pytest.mark.parametrize("dests", [(0,), (2, 0, 1)])
