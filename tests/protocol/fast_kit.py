@@ -48,7 +48,11 @@ def check_chunk(room, ev: ChunkReady, now: float) -> str | None:
         assert dst[0] == dst_first
         note = ChunkWritten(room.room, room.rank, chunk_id, ev.is_last, start, n)
         writes = [(dest, dst, True)]
-        aux = [PostAuxWrite(room.room, dest, ev.aux_slot, dst_slot, AuxWritten(room.room, room.rank))] if ev.is_last else []
+        aux = (
+            [PostAuxWrite(room.room, dest, ev.aux_slot, dst_slot, AuxWritten(room.room, room.rank))]
+            if ev.is_last
+            else []
+        )
         row = "run " + row
     else:
         chunk_id, note, writes, cancelled, aux = got
