@@ -56,6 +56,7 @@ from kvfsm.protocol.events import (
     WriteFailed,
     WritesDrained,
 )
+from kvfsm.protocol.routing import message_event
 from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, Codec, Drained, RoomFailed, RoomPages
 
 SPEC = load_spec()
@@ -809,7 +810,7 @@ class Wire:
             room = self.rooms.get((side, rank))
             if room is None or room.state == "Cleared":
                 continue
-            self.step(side, rank, self._event_of(CODEC.decode(data)))
+            self.step(side, rank, self._event_of(side, CODEC.decode(data)))
             n += 1
         return n
 
@@ -862,14 +863,9 @@ class Wire:
                 assert side == "prefill", a
                 self.writes.append((rank, a))
 
-    def _event_of(self, msg: Any) -> Event:
-        if isinstance(msg, RoomPages):
-            kv, aux = self.registered.get(msg.decode_rank, (0, 0))
-            return PagesAnnounced(msg.decode_rank, msg.pages, msg.aux_slot, msg.required_dests, kv, aux)
-        if isinstance(msg, AbortNotice):
-            return AbortReceived(msg.rank, msg.side, msg.reason)
-        if isinstance(msg, RoomFailed):
-            return FailureReceived(msg.prefill_rank, msg.reason)
-        if isinstance(msg, Drained):
-            return WritesDrained(msg.prefill_rank)
-        raise AssertionError(f"no room event for {msg}")
+    def _event_of(self, side: str, msg: Any) -> Event:
+        """The room event of ``msg`` on ``side``, as the runtime's routing makes it."""
+        kv, aux = self.registered.get(msg.decode_rank, (0, 0)) if isinstance(msg, RoomPages) else (0, 0)
+        event = message_event(side, msg, kv, aux)
+        assert event is not None, f"no room event for {msg} on {side}"
+        return event

@@ -517,7 +517,7 @@ def test_duplicate_room_pages_is_ignored():
     (duplicate,) = w.outbox
     w.deliver()
     w.outbox.append(duplicate)  # a retried or duplicated room_pages
-    _ignored(w, "prefill", w._event_of(CODEC.decode(duplicate[2])))
+    _ignored(w, "prefill", w._event_of("prefill", CODEC.decode(duplicate[2])))
     assert w.p().state == "WaitingForInput"
 
 

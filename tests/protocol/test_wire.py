@@ -286,7 +286,7 @@ WIRE = Wire(prefill_ranks=(), decode_ranks=())  # only its message -> room event
 @settings(max_examples=50, deadline=None)
 @given(message_of("drained"))
 def test_a_drained_message_becomes_the_decode_rooms_writes_drained_event(msg):
-    event = WIRE._event_of(CODEC.decode(CODEC.encode(msg)))
+    event = WIRE._event_of("decode", CODEC.decode(CODEC.encode(msg)))
     assert event == WritesDrained(msg.prefill_rank)
     assert event.trigger in MACHINES["decode"].spec.triggers and event.cause == "remote"
     assert not MACHINES["prefill"].accepts("Failed", event.trigger), "drained only ever goes to decode"
