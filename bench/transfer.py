@@ -197,10 +197,9 @@ def raw_descriptors(
     plane folds the two writes there: the same memory kinds and kind of descriptor), else as a
     transfer of its own. ``aux``: the initiator's and the target's aux buffer addresses. Each item
     is (kind, local, remote, descriptors)."""
-    from kvfsm.runtime.manager import coalesce
+    from kvfsm.runtime.pages import coalesce
     from kvfsm.transport.nixl import use_prepped
-
-    HOST = ("DRAM", "DRAM")
+    from kvfsm.transport.nixl.plan import HOST_TO_HOST as HOST
 
     rooms, chunks = case["plan"]
     page = case["page"]
@@ -740,7 +739,7 @@ def _same_pages(dst: Any, src: Any, sp: list[int], dp: list[int], page: int) -> 
     checks (repetitions taken in turn) moved 10-20 % less on a 2-vCPU host."""
     import torch
 
-    from kvfsm.runtime.manager import coalesce
+    from kvfsm.runtime.pages import coalesce
 
     segs = coalesce(sp, dp, page)
     if len(segs) > 64:  # scattered pages: gathered, one chunk (at most 16 MiB here) at a time

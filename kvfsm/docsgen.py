@@ -15,7 +15,8 @@ The configuration reference (``docs/configuration.md``) is rendered the same way
 configuration classes named in ``CONFIG_CLASSES`` (``module:Class``, one per layer), through
 ``kvfsm.config.reference``: every field's type, default, meaning, when to change it and the
 values it accepts come from its ``setting(...)`` declaration, so the table cannot drift from the
-code. A listed class that does not import is left out of the page (``load_config_classes``).
+code. A listed class that does not import is an error (``load_config_classes``): a renamed class
+must not silently drop its section.
 
 Diagram rules (mermaid ``stateDiagram-v2``): a state with children is a composite
 ``state X { ... }`` with its leaves inside; one arrow per (source as declared, dest) pair, with
@@ -39,6 +40,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvfsm.config import reference
+from kvfsm.protocol.errors import SpecError
 from kvfsm.protocol.spec import MachineSpec, ProtocolSpec, load_spec, spec_dir
 
 __all__ = [
@@ -63,7 +65,7 @@ CONFIG_PAGE = "docs/configuration.md"
 CONFIG_CLASSES = (
     "kvfsm.runtime.config:RuntimeConfig",
     "kvfsm.transport.nixl:NixlConfig",
-    "kvfsm.transport.zmq:ZmqConfig",
+    "kvfsm.transport.zmq_config:ZmqConfig",
     "kvfsm.transport.loopback:Faults",
 )
 
@@ -322,20 +324,17 @@ def render_messages(spec: ProtocolSpec) -> str:
 # ---------------------------------------------------------------------------------------- configuration
 
 
-def load_config_classes(paths: Iterable[str] = CONFIG_CLASSES) -> tuple[list[type], list[str]]:
-    """The classes named ``module:Class`` in ``paths``, in order, and the paths that do not import
-    (a module or class that does not exist), which the caller leaves out of the page."""
+def load_config_classes(paths: Iterable[str] = CONFIG_CLASSES) -> list[type]:
+    """The classes named ``module:Class`` in ``paths``, in order. SpecError naming the path if
+    one does not import (a module or class that does not exist)."""
     classes: list[type] = []
-    missing: list[str] = []
     for path in paths:
         module_name, _, class_name = path.partition(":")
         try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError):
-            missing.append(path)
-            continue
-        classes.append(cls)
-    return classes, missing
+            classes.append(getattr(importlib.import_module(module_name), class_name))
+        except (ImportError, AttributeError) as exc:
+            raise SpecError(f"configuration class {path} does not import: {exc}") from exc
+    return classes
 
 
 def _summary(cls: type) -> str:
@@ -384,7 +383,7 @@ def render_all(spec: ProtocolSpec | None = None, configs: Sequence[type] | None 
     spec = spec or load_spec()
     pages = {path: render_machine(spec, spec.machines[name]) for name, path in MACHINE_PAGES.items()}
     pages[MESSAGES_PAGE] = render_messages(spec)
-    pages[CONFIG_PAGE] = render_configuration(configs if configs is not None else load_config_classes()[0])
+    pages[CONFIG_PAGE] = render_configuration(configs if configs is not None else load_config_classes())
     return pages
 
 
@@ -424,8 +423,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=None, help="repository root (default: the parent of spec/)")
     args = parser.parse_args(argv)
     root: Path = args.root if args.root is not None else default_root()
-    for path in load_config_classes()[1]:
-        print(f"{COMMAND}: {path} does not import; left out of {CONFIG_PAGE}", file=sys.stderr)
     if args.check:
         paths = stale(root)
         for rel in paths:

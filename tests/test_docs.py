@@ -11,6 +11,7 @@ import pytest
 
 from kvfsm import docsgen
 from kvfsm.config import one_of, positive, setting, validate
+from kvfsm.protocol.errors import SpecError
 from kvfsm.protocol.spec import load_spec, spec_dir
 
 REPO_ROOT = spec_dir().parent
@@ -141,15 +142,17 @@ def test_configuration_page_goes_stale_when_a_declaration_changes(tmp_path: Path
     assert docsgen.stale(tmp_path, configs=[]) == [docsgen.CONFIG_PAGE]
 
 
-def test_listed_configuration_classes_that_do_not_import_are_left_out() -> None:
-    paths = [f"{__name__}:PollerConfig", "kvfsm.no_such_module:Config", "kvfsm.config:NoSuchConfig",
-             f"{__name__}:OtherPollerConfig"]  # fmt: skip
-    classes, missing = docsgen.load_config_classes(paths)
-    assert classes == [PollerConfig, OtherPollerConfig]
-    assert missing == ["kvfsm.no_such_module:Config", "kvfsm.config:NoSuchConfig"]
+def test_listed_configuration_classes_load_in_order_and_one_that_does_not_import_is_an_error() -> None:
+    assert docsgen.load_config_classes([f"{__name__}:PollerConfig", f"{__name__}:OtherPollerConfig"]) == [
+        PollerConfig,
+        OtherPollerConfig,
+    ]
+    for path in ("kvfsm.no_such_module:Config", "kvfsm.config:NoSuchConfig"):
+        with pytest.raises(SpecError, match=path):
+            docsgen.load_config_classes([f"{__name__}:PollerConfig", path])
 
 
 def test_every_listed_configuration_class_is_on_the_committed_page() -> None:
     page = (REPO_ROOT / docsgen.CONFIG_PAGE).read_text()
-    for cls in docsgen.load_config_classes()[0]:
+    for cls in docsgen.load_config_classes():
         assert f"## `{cls.__name__}`" in page

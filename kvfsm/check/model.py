@@ -262,7 +262,7 @@ class Model(Symmetric):
                 continue
             cur = slots[idx]
             known = self.known(cur)
-            if known in (UNKNOWN, EARLY, EXPIRED):  # not created (routing.create allows it)
+            if not create(known).refuse:  # not created yet (as the shared routing allows)
                 if self._may_create(slots, side, room, rank):
                     b = self._builder(ctrl)
                     self._do_create(b, idx, side, room, rank)

@@ -23,7 +23,7 @@ from kvfsm.check.encoding import _msg_tuple
 from kvfsm.check.explore import _jsonable
 from kvfsm.check.model import CheckConfig, Model
 from kvfsm.protocol import LocalProtocolError
-from kvfsm.protocol.routing import EXPIRED, ROUTING
+from kvfsm.protocol.routing import CLEARED, CLEARED_FAILED, EARLY, EXPIRED, LIVE, ROUTING
 from kvfsm.runtime import RuntimeConfig
 from kvfsm.runtime.decode import KVReceiver
 from kvfsm.runtime.manager import Manager
@@ -75,10 +75,8 @@ class Replayer:
             prefill_ranks=cfg.prefill_ranks, decode_ranks=cfg.decode_ranks, pages=cfg.rooms * cfg.chunks,
             page_bytes=self.page_bytes, aux_slots=cfg.rooms, aux_bytes=self.aux_bytes, workers=0,
             ordered=cfg.ordered, protocol=self.model.protocol, async_writes=True, config=RuntimeConfig(workers=0),
+            routing=self.model.routing if routing_bugs else ROUTING,
         )  # fmt: skip
-        routing = self.model.routing if routing_bugs else ROUTING
-        for m in self.c.managers:
-            m.routing = routing  # before any room exists (LoopbackCluster builds the managers)
         self.handles: dict[tuple[str, int, int], KVSender | KVReceiver] = {}
         self.freed: set[tuple[int, int]] = set()  # (room, decode rank) whose pages were handed back
         self.released_sources: set[tuple[int, int]] = set()  # (room, prefill rank)
@@ -196,15 +194,10 @@ class Replayer:
     def runtime_state(self, side: str, rank: int, room: int) -> str | None:
         mgr = self.manager(side, rank)
         with mgr._lock:
-            rt = mgr._rooms.get(room)
-            if rt is not None:
-                return str(rt.room.state)
-            tomb = mgr._tombstones.get(room)
-            if tomb is not None:
-                return "X" if tomb[0] == EXPIRED else "Cleared"
-            if side == "P" and room in getattr(mgr, "_early", {}):
-                return "E"
-        return None
+            known = mgr._known(room)  # (as the shared routing knows it)
+            if known == LIVE:
+                return str(mgr._rooms[room].room.state)
+        return {EXPIRED: "X", CLEARED: "Cleared", CLEARED_FAILED: "Cleared", EARLY: "E"}.get(known)
 
     def model_state(self, idx: int) -> str | None:
         slot = self.model.slots(self.state)[idx]

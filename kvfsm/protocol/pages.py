@@ -16,7 +16,9 @@ hold one compare and hash as before (the model checker, duplicate detection). It
 run is known or checked at no per-page cost in Python: a ``range`` or an integer array the
 engine hands over, a list checked as one run in C (``kvfsm.runtime.pages.as_pages``), and
 beside a decode rank's announced tuple once per room (``Announcement.span``: a long chunk
-slices the span, a short one the tuple). Short runs stay tuples: there a tuple is cheaper.
+slices the span, a short one the tuple). An engine's chunk is a PageRun from two pages on
+(``as_pages``: the one form its path carries, so that "is it one run?" is a type test); slices
+and decoded messages shorter than ``RUN_MIN`` pages are tuples, which cost less there.
 """
 
 from __future__ import annotations
@@ -149,11 +151,11 @@ def known_run(first: int, n: int) -> PageRun:
     return run
 
 
-def run_of(first: int, n: int) -> Pages:
-    """The pages first, first + 1, ..., first + n - 1 (``first`` >= 0): a PageRun, or a tuple
-    for a short run."""
-    if n >= RUN_MIN:
-        return PageRun(first, n)
+def run_of(first: int, n: int, shortest: int = RUN_MIN) -> Pages:
+    """The pages first, first + 1, ..., first + n - 1 (``first`` >= 0): a PageRun from
+    ``shortest`` pages on, else a tuple."""
+    if n >= shortest:
+        return known_run(first, n)
     return tuple(range(first, first + n))
 
 

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A rank knows a room id in one of six ways (``Known``): a machine that takes events (``LIVE``);
+A rank knows a room id in one of six ways (the kinds below): a machine that takes events (``LIVE``);
 a tombstone of a room that was cleared (``CLEARED``), or cleared after it failed
 (``CLEARED_FAILED``); a tombstone of a room whose early messages expired before the engine
 created it (``EXPIRED``, prefill only); messages kept for a room that the engine has not created
@@ -47,7 +47,6 @@ CLEARED_FAILED: Final = "cleared_failed"
 EXPIRED: Final = "expired"
 EARLY: Final = "early"
 UNKNOWN: Final = "unknown"
-TOMBSTONES: Final = (CLEARED, CLEARED_FAILED, EXPIRED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +243,6 @@ __all__ = [
     "ROUTING",
     "ROUTING_MUTANTS",
     "STASH",
-    "TOMBSTONES",
     "UNKNOWN",
     "Create",
     "Expiry",

@@ -51,7 +51,6 @@ from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
 from kvfsm.protocol.routing import EARLY, LIVE, ROUTING, UNKNOWN, Create, Routing, cleared, create, route_message
 from kvfsm.protocol.wire import Codec, Message
 from kvfsm.runtime.config import RuntimeConfig
-from kvfsm.runtime.pages import COALESCE_ARRAY_MIN, as_index, as_pages, coalesce
 from kvfsm.runtime.telemetry import Telemetry
 from kvfsm.runtime.timers import TimerWheel
 from kvfsm.runtime.workers import WorkerPool
@@ -62,8 +61,7 @@ _STATE_SECONDS: dict[str, str] = {}  # state -> its histogram name ("state_secon
 
 MAX_ROOM_ID = (1 << 63) - 1
 
-__all__ = ["COALESCE_ARRAY_MIN", "Manager", "RoomHandle", "RoomRuntime", "RuntimeConfig", "as_index", "as_pages",
-           "coalesce"]  # fmt: skip
+__all__ = ["Manager", "RoomHandle", "RoomRuntime", "RuntimeConfig"]
 
 
 @dataclass(slots=True)
@@ -158,7 +156,9 @@ class Manager:
         self._changed = threading.Condition(self._lock)  # a room changed state (wait())
         self._rooms: dict[int, RoomRuntime] = {}
         self._timers = TimerWheel()
-        self._tombstones: dict[int, tuple[str, float]] = {}  # room -> (routing.TOMBSTONES kind, expiry)
+        self._tombstones: dict[
+            int, tuple[str, float]
+        ] = {}  # room -> (routing kind CLEARED, CLEARED_FAILED or EXPIRED, expiry)
         # prefill: events for rooms the engine has not created yet (decode was faster), replayed on create
         self._early: dict[int, list[tuple[str, Event]]] = {}
         self._tomb_order: deque[tuple[float, int]] = deque()

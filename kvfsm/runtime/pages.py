@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvfsm.protocol import LocalProtocolError
-from kvfsm.protocol.pages import PageRun, Pages, known_run, page_summary, run_bytes
+from kvfsm.protocol.pages import PageRun, Pages, known_run, page_summary, run_bytes, run_of
 from kvfsm.transport.base import Segment, SegmentArray
 
 # Pages in a chunk from which one that is not a single run is coalesced with numpy, into a
@@ -25,6 +25,7 @@ from kvfsm.transport.base import Segment, SegmentArray
 # numpy's fixed costs outweigh the per-run ones (measured with bench/core.py's stub agent:
 # scattered 32-page chunks 80 µs each with numpy, 69 without; 64 pages 88 against 97).
 COALESCE_ARRAY_MIN = 64
+_SHORTEST = 2  # an engine's run of this many pages or more becomes a PageRun (as_pages)
 
 
 def _is_run(pages: Sequence[int]) -> bool:
@@ -93,18 +94,18 @@ def as_pages(pages: Any) -> Pages:
     left in a page list would otherwise fail only when the message is encoded, after the room
     had already moved on."""
     if type(pages) is list or type(pages) is tuple:  # the usual inputs
-        if len(pages) >= 2 and _is_list_run(pages):
+        if len(pages) >= _SHORTEST and _is_list_run(pages):
             return known_run(pages[0], len(pages))
     else:
         if type(pages) is range and pages.step == 1 and pages.start >= 0:
-            return _run(pages.start, len(pages))  # one ascending run by construction: no check
+            return run_of(pages.start, len(pages), _SHORTEST)  # one ascending run by construction: no check
         array_run = _array_run(pages)
         if array_run is not None:
             return array_run
         tolist = getattr(pages, "tolist", None)
         if tolist is not None and not isinstance(pages, list | tuple | range):
             pages = tolist()  # a tensor, or an array that is not one run
-            if type(pages) is list and len(pages) >= 2:
+            if type(pages) is list and len(pages) >= _SHORTEST:
                 run = _list_run(pages)
                 if run is not None:
                     return run
@@ -172,13 +173,7 @@ def _array_run(pages: Any) -> Pages | None:
             return None
     elif pages.astype(np.int64, copy=False).tobytes() != want:
         return None
-    return _run(lo, n)
-
-
-def _run(first: int, n: int) -> Pages:
-    """The pages first, first + 1, ..., first + n - 1 (``first`` >= 0) in ``as_pages``' form: a
-    PageRun from two pages on."""
-    return known_run(first, n) if n >= 2 else tuple(range(first, first + n))
+    return run_of(lo, n, _SHORTEST)
 
 
 def as_index(x: Any, what: str) -> int:

@@ -47,12 +47,8 @@ class KVSender(RoomHandle):
         integer numpy array or tensor); the last chunk carries the aux slot. Chunks ready before
         decode announced its pages are held (scenario 2). Raises LocalProtocolError on misuse (a
         chunk after the last, pages outside the KV region, indices that are not integers)."""
-        slot = aux_slot if aux_slot is None or type(aux_slot) is int else _slot(aux_slot)
+        slot = aux_slot if aux_slot is None or type(aux_slot) is int else as_index(aux_slot, "aux_slot")
         self.manager._chunk(self.room, as_pages(pages), is_last is True or bool(is_last), slot)
-
-
-def _slot(aux_slot: Any) -> int:
-    return as_index(aux_slot, "aux_slot")
 
 
 class PrefillManager(Manager):
@@ -124,7 +120,7 @@ class PrefillManager(Manager):
         k = len(item)
         slot = item[3] if k > 3 else None
         if slot is not None and type(slot) is not int:
-            slot = _slot(slot)
+            slot = as_index(slot, "aux_slot")
         rid = room if type(room) is int else as_index(room, "room")
         return rid, as_pages(item[1]), k > 2 and (item[2] is True or bool(item[2])), slot
 

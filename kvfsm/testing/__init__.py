@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvfsm.protocol import KVPoll, Protocol
+from kvfsm.protocol.routing import ROUTING, Routing
 from kvfsm.runtime import DecodeManager, PrefillManager, RuntimeConfig
 from kvfsm.transport.loopback import Fabric, Faults
 
@@ -47,6 +48,7 @@ class LoopbackCluster:
     config: RuntimeConfig | None = None  # overrides workers and timeouts when given
     protocol: Protocol | None = None  # e.g. a mutant's (kvfsm.check.mutants.mutated_protocol)
     async_writes: bool = False  # a write's data lands when its queued item is delivered
+    routing: Routing = ROUTING  # the shared routing, or a checker mutant of it (kvfsm replay)
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
@@ -68,6 +70,7 @@ class LoopbackCluster:
                 aux_slot_bytes=self.aux_bytes,
                 config=cfg,
                 clock=self.clock,
+                routing=self.routing,
             )
             for r in range(self.prefill_ranks)
         ]
@@ -84,6 +87,7 @@ class LoopbackCluster:
                 aux_slot_bytes=self.aux_bytes,
                 config=cfg,
                 clock=self.clock,
+                routing=self.routing,
             )
             for r in range(self.decode_ranks)
         ]

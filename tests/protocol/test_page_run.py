@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvfsm.protocol import KVPoll, LocalProtocolError
 from kvfsm.protocol.pages import RUN_MIN, PageRun, page_summary, run_of
 from kvfsm.protocol.wire import RoomPages
-from kvfsm.runtime.manager import as_pages
+from kvfsm.runtime.pages import as_pages
 from kvfsm.testing import LoopbackCluster
 
 idx = st.integers(-80, 80)

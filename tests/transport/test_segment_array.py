@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfsm.runtime.manager import COALESCE_ARRAY_MIN, as_pages, coalesce
+from kvfsm.runtime.pages import COALESCE_ARRAY_MIN, as_pages, coalesce
 from kvfsm.transport.base import Segment, SegmentArray, TransportError, check_segments
 
 segments_st = st.lists(st.builds(Segment, st.integers(-3, 200), st.integers(-3, 200), st.integers(-3, 60)), max_size=12)
