@@ -421,14 +421,14 @@ def bench_nixl_paths(reps: int, hot_path: dict[str, Any]) -> dict[str, Any]:
     out["16_send"]["tail_no_flush_us"] = bench_nixl_path(16, "send", reps=reps, flush=False)["tail_us"]
     # scattered chunks (a segment per page), their runs coalesced into a SegmentArray; baseline:
     # the same chunks coalesced into a list of Segments (as below COALESCE_ARRAY_MIN pages)
-    from kvfsm.runtime import manager
+    from kvfsm.runtime import pages
 
     out["256_scattered_send"] = bench_nixl_path(256, "send", chunks=4, reps=reps, scattered=True)
-    threshold, manager.COALESCE_ARRAY_MIN = manager.COALESCE_ARRAY_MIN, 1 << 62
+    threshold, pages.COALESCE_ARRAY_MIN = pages.COALESCE_ARRAY_MIN, 1 << 62
     try:
         listed = bench_nixl_path(256, "send", chunks=4, reps=reps, scattered=True)
     finally:
-        manager.COALESCE_ARRAY_MIN = threshold
+        pages.COALESCE_ARRAY_MIN = threshold
     out["256_scattered_send"]["segments_engine_us"] = listed["engine_us"]
     return out
 

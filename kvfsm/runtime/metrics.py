@@ -129,7 +129,7 @@ class KvfsmCollector:
                 labels = dict(zip((*LABELS, *extra), (*ids, *label), strict=True))
                 count = snap["count"]
                 metric.add_sample(f"{name}_count", labels, count)
-                metric.add_sample(f"{name}_sum", labels, snap["mean"] * count if count else 0.0)
+                metric.add_sample(f"{name}_sum", labels, snap["sum"] if count else 0.0)
                 if count:
                     for quantile, pct in _QUANTILES:
                         metric.add_sample(name, {**labels, "quantile": quantile}, snap[pct])

@@ -42,6 +42,7 @@ class Histogram:
 
         return {
             "count": self.count,
+            "sum": self.total,
             "mean": self.total / self.count,
             "min": self.lo,
             "p50": pct(0.50),

@@ -83,7 +83,8 @@ def test_a_scrape_exposes_every_counter_histogram_and_gauge_of_stats(ran: Loopba
                 ("kvfsm_state_seconds", {**ids, "state": rest}) if head == "state_seconds" else (f"kvfsm_{key}", ids)
             )
             assert samples[(f"{name}_count", frozenset(labels.items()))] == snap["count"], key
-            assert samples[(f"{name}_sum", frozenset(labels.items()))] == pytest.approx(snap["mean"] * snap["count"])
+            assert samples[(f"{name}_sum", frozenset(labels.items()))] == pytest.approx(snap["sum"])
+            assert snap["sum"] == pytest.approx(snap["mean"] * snap["count"])
             for quantile, pct in (("0.5", "p50"), ("0.95", "p95"), ("0.99", "p99")):
                 assert samples[(name, frozenset({**labels, "quantile": quantile}.items()))] == snap[pct], key
             seen += 1
