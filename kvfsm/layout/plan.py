@@ -173,7 +173,9 @@ class Planner:
         runs = np.broadcast_to(base, (src.num_layers, *base.shape)).copy()
         runs[:, :, SRC_BUFFER] += layers  # every order: buffer_of(layer, kv) == buffer_of(0, kv) + layer
         runs[:, :, DST_BUFFER] += layers
-        return Plan(self.kind, runs.reshape(-1, 5))
+        runs = runs.reshape(-1, 5)
+        runs.setflags(write=False)  # a plan is a value: transports and verify_plan only read it
+        return Plan(self.kind, runs)
 
 
 def plan_chunk(
