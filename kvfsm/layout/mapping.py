@@ -14,10 +14,10 @@ it from different holders. From that follow, per room, a decode rank's sources, 
 destinations (empty: the rank does not take part in the room, and nobody waits for it) and the
 heads each (source, destination) pair moves (``heads``: one contiguous range).
 
-This fixes by construction the SGLang mapping bugs (../shared/reference/sglang.md §3.1, §6.3): a
-destination head offset computed from the global rank instead of the rank within its group, head
-slices starting at the absolute decode rank, replicated heads written by every holder, and decode
-waiting for MLA ranks that never send.
+This fixes by construction the mapping bugs of SGLang's disaggregation (its rank mapping and
+head-slice math; replicated GQA heads: SGLang #30997): a destination head offset computed from the
+global rank instead of the rank within its group, head slices starting at the absolute decode
+rank, replicated heads written by every holder, and decode waiting for MLA ranks that never send.
 
 Pure: no I/O, no clocks, no threads.
 """

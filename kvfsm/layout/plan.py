@@ -22,9 +22,10 @@ pages), cut only where the chunk starts or ends inside a page. Otherwise it is `
 
 The chunk's destination position is ``first_token`` (the running total of the request's tokens),
 never the chunk's own length, and the destination head index is counted from the destination
-rank's first head, never from a global rank: the two SGLang bugs of ../shared/reference/sglang.md
-§3.2 and §6.3. Both survive here only as named mutants (``MUTANTS``) that tests feed to
-``verify_plan`` to show it catches them.
+rank's first head, never from a global rank: two bugs of SGLang's head-slice math (the
+multi-chunk overwrite fixed in SGLang PR 18968, and head offsets from the global rank). Both
+survive here only as named mutants (``MUTANTS``) that tests feed to ``verify_plan`` to show it
+catches them.
 
 Pure: stdlib and numpy, no torch, no I/O.
 """
