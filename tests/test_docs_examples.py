@@ -1,4 +1,4 @@
-"""The code examples in docs/index.md and docs/transports.md run as written."""
+"""The code examples in docs/index.md, docs/transports.md and docs/layouts.md run as written."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = ["index.md", "transports.md"]
+PAGES = ["index.md", "transports.md", "layouts.md"]
 
 
 def _blocks() -> list[tuple[str, str]]:
