@@ -20,15 +20,16 @@ PRESETS: dict[str, CheckConfig] = {
     "standard": CheckConfig(2, 2, 2, 2, loss=1, dup=1, crash=1, aborts=1),
     # many prefill ranks into one decode rank (Tp > Td), unordered control plane
     "deep": CheckConfig(2, 1, 2, 2, loss=1, dup=1, crash=1, aborts=1, ordered=False),
-    # TP mappings (kvfsm.layout.mapping.RankMap): fan-in, each decode rank waits for two prefill ranks
-    "2p1d": CheckConfig(2, 1, 1, 1, aborts=1),
+    # TP mappings (kvfsm.layout.mapping.RankMap), each within a minute: fan-in, the decode rank
+    # waits for two prefill ranks (faults on 2 P -> 1 D: see "deep", which takes minutes)
+    "2p1d": CheckConfig(2, 1, 1, 1),
     # fan-out: one prefill rank writes two decode ranks (which tell it so in room_pages)
     "1p2d": CheckConfig(1, 2, 1, 1, aborts=1),
     # fan-out with two destinations per source, two independent 1P -> 2D groups
     "2p4d": CheckConfig(2, 4, 1, 1, aborts=1),
     # MLA: one latent that every rank holds; one prefill rank sends, the other takes no part
     "2p1d-mla": CheckConfig(2, 1, 2, 2, loss=1, dup=1, crash=1, aborts=1, mla=True),
-    "1p2d-mla": CheckConfig(1, 2, 1, 1, aborts=1, mla=True),
+    "1p2d-mla": CheckConfig(1, 2, 1, 1, mla=True),
     # 2 KV heads over prefill TP 4: replicated heads, one holder of each sends, two ranks take no part
     "4p2d-replicated": CheckConfig(4, 2, 2, 2, loss=1, dup=1, crash=1, aborts=1, kv_heads=2),
 }
