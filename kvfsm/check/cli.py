@@ -20,6 +20,18 @@ PRESETS: dict[str, CheckConfig] = {
     "standard": CheckConfig(2, 2, 2, 2, loss=1, dup=1, crash=1, aborts=1),
     # many prefill ranks into one decode rank (Tp > Td), unordered control plane
     "deep": CheckConfig(2, 1, 2, 2, loss=1, dup=1, crash=1, aborts=1, ordered=False),
+    # TP mappings (kvfsm.layout.mapping.RankMap), each within a minute: fan-in, the decode rank
+    # waits for two prefill ranks (faults on 2 P -> 1 D: see "deep", which takes minutes)
+    "2p1d": CheckConfig(2, 1, 1, 1),
+    # fan-out: one prefill rank writes two decode ranks (which tell it so in room_pages)
+    "1p2d": CheckConfig(1, 2, 1, 1, aborts=1),
+    # fan-out with two destinations per source, two independent 1P -> 2D groups
+    "2p4d": CheckConfig(2, 4, 1, 1, aborts=1),
+    # MLA: one latent that every rank holds; one prefill rank sends, the other takes no part
+    "2p1d-mla": CheckConfig(2, 1, 2, 2, loss=1, dup=1, crash=1, aborts=1, mla=True),
+    "1p2d-mla": CheckConfig(1, 2, 1, 1, mla=True),
+    # 2 KV heads over prefill TP 4: replicated heads, one holder of each sends, two ranks take no part
+    "4p2d-replicated": CheckConfig(4, 2, 2, 2, loss=1, dup=1, crash=1, aborts=1, kv_heads=2),
 }
 
 
@@ -27,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named configuration (flags below override it)")
     p.add_argument("--prefill-ranks", type=int)
     p.add_argument("--decode-ranks", type=int)
+    p.add_argument("--kv-heads", type=int, help="KV heads of the model (default: lcm of the TP sizes)")
+    p.add_argument("--mla", action=argparse.BooleanOptionalAction, default=None,
+                   help="MLA: one latent that every rank holds (one prefill rank sends it)")  # fmt: skip
     p.add_argument("--rooms", type=int)
     p.add_argument("--chunks", type=int)
     p.add_argument("--loss", type=int, help="messages, notifications or writes that may be lost")
@@ -58,7 +73,9 @@ def config_from(args: argparse.Namespace) -> CheckConfig:
         if not args.preset:
             cfg = MUTANTS[args.mutant].config
     changes: dict[str, Any] = {}
-    for name in ("prefill_ranks", "decode_ranks", "rooms", "chunks", "loss", "dup", "crash", "aborts", "order"):
+    names = ("prefill_ranks", "decode_ranks", "kv_heads", "mla", "rooms", "chunks", "loss", "dup", "crash", "aborts",
+             "order")  # fmt: skip
+    for name in names:
         v = getattr(args, name)
         if v is not None:
             changes[name] = v
@@ -113,7 +130,8 @@ def _item_text(item: list[Any]) -> str:
 
 def _print_result(res: CheckResult, cfg: CheckConfig, parts: list[Any]) -> None:
     mode = "mutant " + cfg.mutant if cfg.mutant else "protocol"
-    print(f"kvfsm check ({mode}): {cfg.prefill_ranks} P x {cfg.decode_ranks} D ranks, {cfg.rooms} rooms, "
+    heads = "MLA" if cfg.mla else f"{cfg.heads} KV heads"
+    print(f"kvfsm check ({mode}): {cfg.prefill_ranks} P x {cfg.decode_ranks} D ranks ({heads}), {cfg.rooms} rooms, "
           f"{cfg.chunks} chunks, loss {cfg.loss}, dup {cfg.dup}, crash {cfg.crash}, aborts {cfg.aborts}, "
           f"{'FIFO' if cfg.ordered else 'unordered'} control plane, order {cfg.order}")  # fmt: skip
     for sub, copies, r in parts:
@@ -124,6 +142,10 @@ def _print_result(res: CheckResult, cfg: CheckConfig, parts: list[Any]) -> None:
         ):
             print(f"  component {sub.prefill_ranks} P x {sub.decode_ranks} D x 1 room (x{copies} independent copies): "
                   f"{r.distinct_states:,} states")  # fmt: skip
+    mapping = cfg.mapping()
+    idle = [f"P{p}" for p in range(cfg.prefill_ranks) if not mapping.peers_of("P", p)]
+    if idle:
+        print(f"  take no part (no destination, nobody waits for them): {', '.join(idle)}")
     if res.symmetries > 1:
         print(f"  symmetry reduction: one state per orbit of {res.symmetries} renamings of rooms and ranks")
     print(f"  {res.distinct_states:,} distinct states, {res.edges:,} edges, depth {res.max_depth}, "

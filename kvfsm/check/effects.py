@@ -38,6 +38,8 @@ from math import prod
 from typing import TYPE_CHECKING, Any
 
 from kvfsm.check.encoding import (
+    ALL,
+    ANY,
     CRASH,
     EMPTY_BAG,
     EMPTY_QUEUE,
@@ -271,9 +273,13 @@ class FlatStates:
 
     @staticmethod
     def _landed_notes(
-        landed: int, landing: tuple[int, str] | None, required: tuple[tuple[int, str], ...], notes: tuple[str, ...]
+        landed: int, landing: tuple[int, str] | None, required: tuple[tuple[int, str, int], ...], notes: tuple[str, ...]
     ) -> tuple[str, ...]:
-        extra = [note for mask, note in required if landed & mask != mask]
+        extra = [
+            note
+            for mask, note, mode in required
+            if (landed & mask != mask if mode == ALL else not landed & mask if mode == ANY else landed & mask)
+        ]
         if landing is not None and landed & landing[0]:
             extra.append(landing[1])
         return tuple(sorted({*notes, *extra})) if extra else notes
@@ -305,10 +311,16 @@ class FlatStates:
     def _compile(self, label: Label, b: _Builder, fence: tuple[str, int] | None = None) -> Effect:
         ctrl = self._ctrl((tuple(b.slots), tuple(sorted(b.crashed)), tuple(sorted(b.lost))))
         landing = None if b.landing is None else (self._bits[b.landing[0]], b.landing[1])
-        masks: dict[str, int] = {}
-        for key, note in b.required:
-            masks[note] = masks.get(note, 0) | self._bits[key]
-        required = tuple((mask, note) for note, mask in sorted(masks.items()))
+        # checks of one note and mode ALL (or NONE) merge into one mask; ANY checks stay apart
+        masks: dict[tuple[str, int], int] = {}
+        anys: set[tuple[int, str, int]] = set()
+        for keys, note, mode in b.required:
+            mask = sum(self._bits[key] for key in set(keys))
+            if mode == ANY:
+                anys.add((mask, note, mode))
+            else:
+                masks[(note, mode)] = masks.get((note, mode), 0) | mask
+        required = tuple(sorted({*((mask, note, mode) for (note, mode), mask in masks.items()), *anys}))
         slow = None
         deltas: dict[int, tuple[list[int], list[int]]] = {}
         if any(op == "crash" for op, _ in b.ops):

@@ -30,6 +30,7 @@ Ctrl = tuple[tuple[Any, ...], tuple[str, ...], tuple[tuple[str, str], ...]]  # s
 # (label, control', budget index or -1, its unit, network deltas, notes, None or the rare parts:
 #  (fence condition, landing, landed checks, ops applied item by item))
 Effect = tuple[Any, ...]
+WriteKey = tuple[int, int, int, int]  # (room, source, chunk, destination) of a write
 
 
 def _code(failure: str | None) -> str:
@@ -117,18 +118,27 @@ class _Builder:
     lost: set[tuple[str, str]]  # (node, dead peer) once the node received the peer-loss notice
     ops: list[tuple[str, Any]] = field(default_factory=list)
     budget: int = -1  # index of the fault budget this action spends (LOSS, DUP, CRASH, ABORTS)
-    landing: tuple[tuple[int, int, int, int], str] | None = None
-    required: list[tuple[tuple[int, int, int, int], str]] = field(default_factory=list)
+    landing: tuple[WriteKey, str] | None = None
+    # deferred checks of the landed set: (keys, note, mode), see ALL, ANY and NONE
+    required: list[tuple[tuple[WriteKey, ...], str, int]] = field(default_factory=list)
     notes: set[str] = field(default_factory=set)
 
-    def land(self, key: tuple[int, int, int, int], note_if_landed: str) -> None:
+    def land(self, key: WriteKey, note_if_landed: str) -> None:
         """The write ``key`` (room, source, chunk, destination) lands; ``note_if_landed`` if it already had."""
         self.landing = (key, note_if_landed)
 
-    def require_landed(self, key: tuple[int, int, int, int], note_if_missing: str) -> None:
-        self.required.append((key, note_if_missing))
+    def require_landed(self, key: WriteKey, note_if_missing: str) -> None:
+        self.required.append(((key,), note_if_missing, ALL))
+
+    def require_any_landed(self, keys: tuple[WriteKey, ...], note_if_none: str) -> None:
+        """At least one of ``keys`` has landed (none given: ``note_if_none`` always)."""
+        self.required.append((keys, note_if_none, ANY))
+
+    def forbid_landed(self, key: WriteKey, note_if_landed: str) -> None:
+        self.required.append(((key,), note_if_landed, NONE))
 
 
 LOSS, DUP, CRASH, ABORTS = range(4)
+ALL, ANY, NONE = range(3)  # a landed-set check: every key landed, at least one, none
 EMPTY_QUEUE, EMPTY_BAG = 0, 1  # ids of the empty sequences
 NO_NOTES: tuple[str, ...] = ()

@@ -18,13 +18,14 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from kvfsm.check.model import CheckConfig, Label, Model, State, sources_of
+from kvfsm.check.model import CheckConfig, Label, Model, State
 from kvfsm.check.properties import load_properties, stuck_rooms
+from kvfsm.layout.mapping import MappingError
 
 
 @dataclass
@@ -258,13 +259,14 @@ def components(cfg: CheckConfig) -> list[tuple[CheckConfig, int]]:
     *whole* fault budget, over-approximates what each copy can do inside the product (it may see
     every fault the product could give it, at any time), so every per-room property that holds
     there holds in the product. ``--reduction none`` explores the product itself.
+
+    A prefill rank that nobody waits for and that writes nobody takes no part (no component). A
+    component is explored as the configuration of one room whose rank mapping has its shape
+    (``ModelMapping.shape``); where none has, the whole configuration with one room is.
     """
-    edges: dict[int, set[int]] = {}
-    for d in range(cfg.decode_ranks):
-        for p in sources_of(cfg, d):
-            edges.setdefault(d, set()).add(p)
-    groups: dict[tuple[int, int], int] = {}
-    seen_p: set[int] = set()
+    mapping = cfg.mapping()
+    edges = {d: set(mapping.peers_of("D", d)) for d in range(cfg.decode_ranks)}
+    groups: dict[CheckConfig, int] = {}
     seen_d: set[int] = set()
     for d in range(cfg.decode_ranks):
         if d in seen_d:
@@ -279,17 +281,28 @@ def components(cfg: CheckConfig) -> list[tuple[CheckConfig, int]]:
                     ps |= edges[d2]
                     changed = True
         seen_d |= ds
-        seen_p |= ps
-        key = (len(ps), len(ds))
-        groups[key] = groups.get(key, 0) + 1
-    out = []
-    for (p, d), n in sorted(groups.items()):
-        sub = CheckConfig(
-            prefill_ranks=p, decode_ranks=d, rooms=1, chunks=cfg.chunks, loss=cfg.loss, dup=cfg.dup,
-            crash=cfg.crash, aborts=cfg.aborts, ordered=cfg.ordered, order=cfg.order, mutant=cfg.mutant,
-        )  # fmt: skip
-        out.append((sub, n * cfg.rooms))
-    return out
+        sub = _component_config(cfg, mapping.restrict(sorted(ps), sorted(ds)).shape())
+        groups[sub] = groups.get(sub, 0) + 1
+    whole = replace(cfg, rooms=1)
+    if whole in groups:
+        return [(whole, cfg.rooms)]  # no smaller configuration models a part of it: the ranks stay whole
+    ordered = sorted(groups.items(), key=lambda kv: (kv[0].prefill_ranks, kv[0].decode_ranks))
+    return [(sub, n * cfg.rooms) for sub, n in ordered]
+
+
+def _component_config(cfg: CheckConfig, shape: Any) -> CheckConfig:
+    """A configuration of one room whose rank mapping has ``shape`` (the same behaviour as the
+    component), with ``cfg``'s chunks, faults and mutant; ``cfg`` itself (one room) if none is found."""
+    p, d = shape[0], shape[1]
+    for mla in (False, True):
+        for heads in (0, *range(1, max(p, d, cfg.heads) + 1)):
+            try:
+                sub = replace(cfg, prefill_ranks=p, decode_ranks=d, rooms=1, kv_heads=heads, mla=mla)
+            except MappingError:
+                continue
+            if sub.mapping().shape() == shape:
+                return sub
+    return replace(cfg, rooms=1)
 
 
 def explore_reduced(cfg: CheckConfig, **kwargs: Any) -> tuple[CheckResult, list[tuple[CheckConfig, int, CheckResult]]]:

@@ -51,6 +51,7 @@ from kvfsm.check.encoding import (
     thaw_decode,
     thaw_prefill,
 )
+from kvfsm.check.mapping import ModelMapping, default_heads, model_mapping, rank_map
 from kvfsm.check.properties import edge_notes, landing_notes
 from kvfsm.check.symmetry import Symmetric
 from kvfsm.protocol import (
@@ -107,23 +108,38 @@ class CheckConfig:
     ordered: bool = True  # per-pair FIFO for control messages (ZMQ); notifications never ordered
     order: str = "any"  # any | decode-first (scenario 1 only) | prefill-first (scenario 2 only)
     mutant: str | None = None
+    # the model's KV heads (0: lcm(prefill_ranks, decode_ranks), so that no head is replicated);
+    # with them, kvfsm.layout.mapping.RankMap decides who sends which heads to whom
+    kv_heads: int = 0
+    mla: bool = False  # one latent vector held by every rank: one prefill rank sends it
 
     def __post_init__(self) -> None:
         if min(self.prefill_ranks, self.decode_ranks, self.rooms, self.chunks) < 1:
             raise ValueError("ranks, rooms and chunks must be at least 1")
         if self.order not in ("any", "decode-first", "prefill-first"):
             raise ValueError(f"order must be any, decode-first or prefill-first, not {self.order!r}")
+        if self.kv_heads < 0:
+            raise ValueError("kv_heads must be at least 0 (0: one per rank of the larger group)")
+        rank_map(self.heads, self.prefill_ranks, self.decode_ranks, self.mla)  # MappingError if none
+
+    @property
+    def heads(self) -> int:
+        """The KV heads of the model (``kv_heads``, or its default)."""
+        return self.kv_heads or default_heads(self.prefill_ranks, self.decode_ranks)
+
+    def mapping(self) -> ModelMapping:
+        """Who waits for whom and who writes which heads where (a mapping mutant's, if named)."""
+        return model_mapping(self.prefill_ranks, self.decode_ranks, self.heads, self.mla, self.mutant)
 
 
 def sources_of(cfg: CheckConfig, d: int) -> tuple[int, ...]:
-    """Prefill ranks a decode rank receives from (SGLang's rank mapping, §3.1)."""
-    if cfg.prefill_ranks >= cfg.decode_ranks:
-        return tuple(p for p in range(cfg.prefill_ranks) if p % cfg.decode_ranks == d)
-    return (d % cfg.prefill_ranks,)
+    """Prefill ranks decode rank ``d`` waits for (``kvfsm.layout.mapping.RankMap``, or a mapping mutant)."""
+    return cfg.mapping().expected[d]
 
 
 def dests_of(cfg: CheckConfig, p: int) -> tuple[int, ...]:
-    return tuple(d for d in range(cfg.decode_ranks) if p in sources_of(cfg, d))
+    """Decode ranks prefill rank ``p`` writes (empty: it takes no part in a room)."""
+    return cfg.mapping().dests_of(p)
 
 
 class Model(Symmetric):
@@ -141,8 +157,17 @@ class Model(Symmetric):
         P, D, R, C = cfg.prefill_ranks, cfg.decode_ranks, cfg.rooms, cfg.chunks
         self.kv_pages = R * C
         self.aux_slots = R
-        self.sources = [sources_of(cfg, d) for d in range(D)]
-        self.dests = [dests_of(cfg, p) for p in range(P)]
+        self.mapping = cfg.mapping()
+        self.sources = [self.mapping.expected[d] for d in range(D)]
+        self.dests = [self.mapping.dests_of(p) for p in range(P)]
+        self.required = [self.mapping.required_dests(d) for d in range(D)]
+        # per (source, destination): the other sources whose writes carry one of the same heads
+        self.head_conflicts = {
+            (p, d): tuple(
+                q for q in range(P) if q != p and set(self.mapping.heads(q, d)) & set(self.mapping.heads(p, d))
+            )
+            for p, d in self.mapping.pairs
+        }
         # slot index -> (side, room, rank)
         self.slot_info: list[tuple[str, int, int]] = [("P", r, p) for r in range(R) for p in range(P)]
         self.slot_info += [("D", r, d) for r in range(R) for d in range(D)]
@@ -158,7 +183,7 @@ class Model(Symmetric):
                     self._polls[(side, name)] = self.protocol.spec.kvpoll[st.kvpoll]
         self.cache_misses = 0
         # --- the flat state (kvfsm.check.effects)
-        pairs = {(self.node("P", p), self.node("D", d)) for p in range(P) for d in self.dests[p]}
+        pairs = {(self.node("P", p), self.node("D", d)) for p in range(P) for d in self.mapping.peers_of("P", p)}
         pairs |= {(b, a) for a, b in pairs}
         writes = [(r, p, c, d) for r in range(R) for p in range(P) for c in range(-1, C) for d in range(D)]
         self._init_flat(sorted(pairs) if cfg.ordered else [], writes)  # (the order control messages are delivered in)
@@ -192,8 +217,7 @@ class Model(Symmetric):
             new = freeze_prefill(obj)
         else:
             src = self.sources[rank]
-            req = len(self.dests[src[0]])
-            obj = thaw_decode(frozen, room, rank, self.kv_pages, self.aux_slots, src, req)
+            obj = thaw_decode(frozen, room, rank, self.kv_pages, self.aux_slots, src, self.required[rank])
             actions = self.dm.step(obj, event, 0.0)
             new = freeze_decode(obj)
         me = self.node(side, rank)
@@ -220,7 +244,7 @@ class Model(Symmetric):
                 hit = freeze_prefill(obj)
             else:
                 src = self.sources[rank]
-                obj = DecodeRoom(room, rank, self.kv_pages, self.aux_slots, src, len(self.dests[src[0]]))
+                obj = DecodeRoom(room, rank, self.kv_pages, self.aux_slots, src, self.required[rank])
                 self.dm.create(obj, 0.0)
                 hit = freeze_decode(obj)
             self._cache[key] = hit
@@ -361,6 +385,8 @@ class Model(Symmetric):
     # ------------------------------------------------------------------ engine and timing conditions
 
     def _may_create(self, slots: tuple[Any, ...], side: str, room: int, rank: int) -> bool:
+        if side == "P" and not self.dests[rank]:
+            return False  # a prefill rank that writes nobody takes no part in the room
         order = self.cfg.order
         if order == "any":
             return True
@@ -508,7 +534,7 @@ class Model(Symmetric):
         b.ops.append(("crash", name))
         side = name[0]
         rank = int(name[1:])
-        others = self.dests[rank] if side == "P" else self.sources[rank]
+        others = self.mapping.peers_of(side, rank)
         other_side = "D" if side == "P" else "P"
         for o in others:
             other = self.node(other_side, o)

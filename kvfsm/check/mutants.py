@@ -5,8 +5,11 @@ the result: the checker explores the same buggy protocol the runtime would run. 
 ``kvfsm.protocol.routing.ROUTING_MUTANTS`` is (also) a variant of the routing decisions that the
 model and the runtime share (``routing_for``): ``late_message_resurrects`` keeps a cleared room
 routable (and adds the row that lets a late notification revive it), ``early_expiry_forgotten``
-leaves no tombstone when early messages expire. ``MUTANTS[name].config`` is a small
-configuration in which ``kvfsm check`` must find it.
+leaves no tombstone when early messages expire. A mutant named in
+``kvfsm.check.mapping.MAPPING_MUTANTS`` is a variant of the rank mapping as the model uses it
+(whom decode waits for, who writes which heads): ``replicated_heads_written_twice``,
+``mla_decode_waits_for_every_rank``. ``MUTANTS[name].config`` is a small configuration in which
+``kvfsm check`` must find it.
 """
 
 from __future__ import annotations
@@ -238,6 +241,20 @@ MUTANTS: dict[str, Mutant] = {
             "no_write_into_freed_pages",
             CheckConfig(1, 1, 1, 1, dup=1),
             lambda s: s,  # a routing variant only (ROUTING_MUTANTS): the spec is unchanged
+        ),
+        Mutant(
+            "replicated_heads_written_twice",
+            "Prefill TP > KV heads: every prefill rank holding a replicated head sends it, so decode's head is written twice (sglang.md §3.1)",
+            "head_written_once",
+            CheckConfig(2, 1, 1, 1, mla=True),
+            lambda s: s,  # a mapping variant only (MAPPING_MUTANTS): the spec is unchanged
+        ),
+        Mutant(
+            "mla_decode_waits_for_every_rank",
+            "MLA with the non-MLA source count: decode waits for all Tp/Td prefill ranks while one sends the latent (sglang.md §3.1)",
+            "no_wait_for_silent_rank",
+            CheckConfig(2, 1, 1, 1, mla=True),
+            lambda s: s,  # a mapping variant only (MAPPING_MUTANTS): the spec is unchanged
         ),
     ]
 }

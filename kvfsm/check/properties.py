@@ -1,7 +1,8 @@
 """Predicates of the properties named in spec/invariants.toml.
 
 ``edge_notes`` runs on every room step the model takes and ``landing_notes`` whenever a write's
-data lands; they add ``!name`` (an ``always`` property broken by this transition) or ``~name``
+data lands (which KV heads a landed write carries follows from the model's rank mapping,
+``Model.mapping``: the landed set of (room, source, chunk, destination) is the ghost state); they add ``!name`` (an ``always`` property broken by this transition) or ``~name``
 (a ``sometimes`` property witnessed) to the transition's notes. ``stuck_rooms`` is the
 quiescent-state predicate of ``liveness.no_stuck_room``; ``no_progress_cycle`` is checked on the
 explored graph by the explorer. ``PREDICATES`` maps every spec name to its predicate, and a test
@@ -74,20 +75,40 @@ def edge_notes(
             notes.add("!failure_is_told")
         if isinstance(event, TimerFired):
             notes.add("~room_fails_by_timeout")
+        # liveness.no_wait_for_silent_rank: it failed with nothing left to come from its senders
+        if side == "D" and _received_from_every_sender(model, rank, before):
+            notes.add("!no_wait_for_silent_rank")
     if side == "D" and poll_after == SUCCESS and poll_before != SUCCESS:
         notes.add("~room_succeeds")
         # always.no_false_success: every chunk and the aux of every source landed here
         for p in model.sources[rank]:
             for chunk in (*range(model.cfg.chunks), -1):
                 b.require_landed((room, p, chunk, rank), "!no_false_success")
+        # always.head_written_once: every head this rank holds, of every chunk, was written
+        for cover in model.mapping.covers(rank):
+            for chunk in range(model.cfg.chunks):
+                b.require_any_landed(tuple((room, p, chunk, rank) for p in cover), "!head_written_once")
     if row == "P4":
         notes.add("~scenario_1")
     elif row in ("P6", "P7"):
         notes.add("~scenario_2")
 
 
+def _received_from_every_sender(model: Model, rank: int, frozen: Any) -> bool:
+    """Decode rank ``rank``'s room (frozen) has every chunk and the aux of every prefill rank that
+    writes to it: whatever it still waits for will not come."""
+    received, last_count, aux_done = dict(frozen[5]), dict(frozen[6]), frozen[7]
+    senders = model.mapping.senders_of(rank)
+    return bool(senders) and all(
+        p in last_count and len(received.get(p, ())) == last_count[p] and p in aux_done for p in senders
+    )
+
+
 def landing_notes(model: Model, b: _Builder, room: int, p: int, d: int, chunk_id: int) -> None:
     b.land((room, p, chunk_id, d), "!write_at_most_once")
+    if chunk_id >= 0:  # a KV chunk: no other source's write of the same chunk carries one of its heads
+        for q in model.head_conflicts.get((p, d), ()):
+            b.forbid_landed((room, q, chunk_id, d), "!head_written_once")
     slot = b.slots[model.slot_index[("D", room, d)]]
     # pages must be allocated to this room (announced) and not yet handed back (cleared)
     if not isinstance(slot, tuple) or slot[0] in ("E", "X", "Cleared") or not slot[3]:
@@ -105,6 +126,8 @@ def stuck_rooms(model: Model, state: Any) -> list[str]:
         if model.node(side, rank) in crashed:
             continue
         s = slots[idx]
+        if side == "P" and not model.dests[rank] and (s is None or s[0] == "X"):
+            continue  # a prefill rank that writes nobody takes no part in the room
         if not (isinstance(s, tuple) and s[0] == "Cleared"):
             stuck.append(f"{side}{rank} room {room}: {s[0] if isinstance(s, tuple) else 'never created'}")
     return stuck
@@ -127,6 +150,8 @@ PREDICATES: dict[str, Callable[..., Any]] = {
     "room_fails_by_timeout": edge_notes,
     "scenario_1": edge_notes,
     "scenario_2": edge_notes,
+    "head_written_once": landing_notes,
     "no_stuck_room": stuck_rooms,
+    "no_wait_for_silent_rank": edge_notes,
     "no_progress_cycle": _edge,  # the explorer's topological sort of the explored graph
 }

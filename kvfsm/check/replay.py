@@ -7,7 +7,15 @@ engine calls are the runtime's public API. After every step the machine state of
 every rank is compared with the model's; and the runtime is watched for the same violations the
 checker reports: a write landing in released decode pages (sentinel bytes), a write reading
 released source pages, a Failed code that changes, Success turning into Failed, a cleared room
-coming back, a Success without every write landed.
+coming back, a Success without every write landed, a decode room that fails although every rank
+that writes to it delivered everything.
+
+A mapping mutant (``kvfsm.check.mapping.MAPPING_MUTANTS``) reaches the runtime through the
+engine calls: the decode engine is told the sources the mutant's mapping expects
+(``create_receiver``), and only the prefill ranks that write somebody create their rooms. Which
+KV heads a write carries is not the runtime's business here (its writes are pages, sliced by
+``kvfsm.layout``'s plans): ``head_written_once`` is seen by the checker only, and its replay
+shows that the runtime follows the model state for state.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from kvfsm.check.encoding import _msg_tuple
 from kvfsm.check.explore import _jsonable
 from kvfsm.check.model import CheckConfig, Model
 from kvfsm.protocol import LocalProtocolError
+from kvfsm.protocol.rooms import DecodeRoom
 from kvfsm.protocol.routing import CLEARED, CLEARED_FAILED, EARLY, EXPIRED, LIVE, ROUTING
 from kvfsm.runtime import RuntimeConfig
 from kvfsm.runtime.decode import KVReceiver
@@ -54,7 +63,7 @@ class ReplayResult:
         if self.divergences:
             return False
         observable = {"no_write_into_freed_pages", "no_read_of_released_source", "failed_is_sticky",
-                      "success_is_final", "no_resurrection", "no_false_success"}  # fmt: skip
+                      "success_is_final", "no_resurrection", "no_false_success", "no_wait_for_silent_rank"}  # fmt: skip
         return self.expected in self.observed if self.expected in observable else True
 
 
@@ -112,7 +121,7 @@ class Replayer:
                 self.handles[("P", rank, room)] = self.c.prefill[rank].create_sender(room)
             else:
                 src = m.sources[rank]
-                self.handles[("D", rank, room)] = self.c.decode[rank].create_receiver(room, src, len(m.dests[src[0]]))
+                self.handles[("D", rank, room)] = self.c.decode[rank].create_receiver(room, src, m.required[rank])
         elif kind == "send":
             _, rank, room, k = label
             last = k == cfg.chunks - 1
@@ -233,6 +242,8 @@ class Replayer:
                 self.observed.append("no_resurrection")
             if st == "Cleared":
                 self.cleared.add(key)
+            if side == "D" and poll == FAILED and before not in (FAILED, None) and self._got_all(rank, room):
+                self.observed.append("no_wait_for_silent_rank")
             if side == "D" and poll == SUCCESS and before != SUCCESS:
                 for p in self.model.sources[rank]:
                     for chunk in (*range(self.cfg.chunks), -1):
@@ -240,6 +251,17 @@ class Replayer:
                             self.observed.append("no_false_success")
             if poll is not None or st == "Cleared":
                 self.polls[key] = poll
+
+    def _got_all(self, rank: int, room: int) -> bool:
+        """The runtime's decode room has every chunk and the aux of every rank that writes to it."""
+        mgr = self.manager("D", rank)
+        with mgr._lock:
+            r = mgr._rooms[room].room
+            assert isinstance(r, DecodeRoom)
+            senders = self.model.mapping.senders_of(rank)
+            return bool(senders) and all(
+                p in r.last_count and len(r.received.get(p, {})) == r.last_count[p] and p in r.aux_done for p in senders
+            )
 
 
 def replay(path: Path, routing_bugs: bool = True) -> ReplayResult:

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvfsm.check.effects import FlatStates
 from kvfsm.check.encoding import Item, State
+from kvfsm.check.mapping import ModelMapping
 from kvfsm.protocol.wire import MESSAGE_CLASSES
 
 _KEPT_FIELDS = {"required_dests", "reason", "side", "chunk_id", "is_last", "page_start", "num_pages",
@@ -101,9 +102,9 @@ class _Renaming:
 
 
 class Symmetric(FlatStates):
-    """The model's symmetries (needs ``sources``, ``slot_index``; see ``symmetries``)."""
+    """The model's symmetries (needs ``mapping``, ``slot_index``; see ``symmetries``)."""
 
-    sources: list[tuple[int, ...]]
+    mapping: ModelMapping
     slot_index: dict[tuple[str, int, int], int]
     _symmetries: list[_Renaming] | None = None
 
@@ -111,7 +112,8 @@ class Symmetric(FlatStates):
         """Renamings of rooms and ranks (not the identity) that map the model onto itself.
 
         Rooms are interchangeable (their pages and aux slot are renamed with them). Ranks are
-        renamed by pairs of permutations that keep the prefill -> decode mapping; that is exact
+        renamed by pairs of permutations that keep the rank mapping (``ModelMapping.shape``: whom
+        each rank waits for or writes, and which writes share a head); that is exact
         only while one crash at most is allowed (a decode room created with several sources
         already dead reports the lowest one), so rank renamings need ``crash <= 1``.
         """
@@ -121,13 +123,12 @@ class Symmetric(FlatStates):
                 (tuple(range(cfg.prefill_ranks)), tuple(range(cfg.decode_ranks)))
             ]
             if cfg.crash <= 1:
+                shape = self.mapping.shape()
                 rank_perms = [
                     (pp, dp)
                     for pp in permutations(range(cfg.prefill_ranks))
                     for dp in permutations(range(cfg.decode_ranks))
-                    if all(
-                        set(self.sources[dp[d]]) == {pp[p] for p in self.sources[d]} for d in range(cfg.decode_ranks)
-                    )
+                    if self.mapping.shape(pp, dp) == shape
                 ]
             group = [
                 _Renaming(rooms, pp, dp, cfg.chunks)

@@ -14,6 +14,7 @@ import pytest
 from kvfsm.check import CheckConfig, Model, explore
 from kvfsm.check.cli import PRESETS, mermaid
 from kvfsm.check.explore import _jsonable, components, explore_reduced
+from kvfsm.check.mapping import model_mapping
 from kvfsm.check.mutants import MUTANTS
 from kvfsm.check.properties import PREDICATES, load_properties
 
@@ -106,6 +107,9 @@ TRACE_LENGTH = {
     "drained_before_writes_done": 10,
     "source_released_in_flight": 8,
     "early_expiry_forgotten": 12,
+    # mapping mutants (kvfsm.check.mapping.MAPPING_MUTANTS) on 2 P -> 1 D with MLA
+    "replicated_heads_written_twice": 10,
+    "mla_decode_waits_for_every_rank": 10,
 }
 
 
@@ -135,6 +139,87 @@ def test_independent_rooms_and_rank_pairs_reduce_to_one_component() -> None:
     assert [(c.prefill_ranks, c.decode_ranks, c.rooms, n) for c, n in components(PRESETS["standard"])] == [(1, 1, 1, 4)]
     assert [(c.prefill_ranks, c.decode_ranks, n) for c, n in components(CheckConfig(4, 2, 3, 1))] == [(2, 1, 6)]
     assert [(c.prefill_ranks, c.decode_ranks, n) for c, n in components(CheckConfig(1, 2, 1, 1))] == [(1, 2, 1)]
+
+
+def _sglang_sources(p: int, d: int, rank: int) -> tuple[int, ...]:
+    """The equal/fan formula the model used before the rank mapping (sglang.md §3.1)."""
+    if p >= d:
+        return tuple(q for q in range(p) if q % d == rank)
+    return (rank % p,)
+
+
+@pytest.mark.parametrize(("p", "d"), [(1, 1), (2, 2), (2, 1), (1, 2)])
+def test_the_rank_mapping_gives_the_existing_configurations_their_former_sources(p: int, d: int) -> None:
+    # every pinned configuration and preset component is one of these shapes: same sources, same counts
+    model = Model(CheckConfig(p, d, 1, 1))
+    assert model.sources == [_sglang_sources(p, d, rank) for rank in range(d)]
+    assert model.dests == [tuple(r for r in range(d) if q in model.sources[r]) for q in range(p)]
+    assert model.required == [len(model.dests[model.sources[r][0]]) for r in range(d)]
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("heads", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("d", [1, 2, 4, 8])
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+def test_every_head_a_decode_rank_holds_has_exactly_one_writer_and_decode_waits_for_exactly_its_writers(
+    p: int, d: int, heads: int, mla: bool
+) -> None:
+    m = model_mapping(p, d, heads, mla)
+    for rank in range(d):
+        assert m.covers(rank) and all(len(c) == 1 for c in m.covers(rank))
+        assert m.expected[rank] == m.senders_of(rank)
+    # the replicated-heads mutant writes some head twice exactly where prefill replicates heads
+    twice = model_mapping(p, d, heads, mla, "replicated_heads_written_twice")
+    effective = 1 if mla else heads
+    assert any(len(c) > 1 for r in range(d) for c in twice.covers(r)) == (p > effective)
+    # the MLA mutant waits for a rank that will not send exactly where MLA has Tp > Td
+    waits = model_mapping(p, d, heads, mla, "mla_decode_waits_for_every_rank")
+    silent = any(set(waits.expected[r]) - set(waits.senders_of(r)) for r in range(d))
+    assert silent == (mla and p > d)
+
+
+def test_a_prefill_rank_that_writes_nobody_takes_no_part() -> None:
+    # MLA 2 P -> 1 D: P0 sends the latent, P1 creates no room, and nobody waits for it
+    model = Model(CheckConfig(2, 1, 1, 1, mla=True))
+    assert model.sources == [(0,)] and model.dests == [(0,), ()]
+    r = explore(CheckConfig(2, 1, 1, 1, mla=True), symmetry=False)
+    assert r.ok and r.complete
+    assert r.distinct_states == explore(CheckConfig(1, 1, 1, 1), symmetry=False).distinct_states
+    assert [(c.prefill_ranks, c.decode_ranks, n) for c, n in components(PRESETS["2p1d-mla"])] == [(1, 1, 2)]
+    assert [(c.prefill_ranks, c.decode_ranks, n) for c, n in components(PRESETS["4p2d-replicated"])] == [(1, 1, 4)]
+
+
+def test_tp_mapping_presets_reduce_to_their_rank_groups() -> None:
+    shapes = {name: [(c.prefill_ranks, c.decode_ranks, n) for c, n in components(PRESETS[name])]
+              for name in ("2p1d", "1p2d", "2p4d", "1p2d-mla")}  # fmt: skip
+    assert shapes == {"2p1d": [(2, 1, 1)], "1p2d": [(1, 2, 1)], "2p4d": [(1, 2, 2)], "1p2d-mla": [(1, 2, 1)]}
+    # a mapping mutant keeps its shape in the component: both holders of the replicated head write it
+    ((sub, n),) = components(replace(PRESETS["4p2d-replicated"], mutant="replicated_heads_written_twice"))
+    assert (sub.prefill_ranks, sub.decode_ranks, n) == (2, 1, 4)
+    assert [len(c) for c in sub.mapping().covers(0)] == [2]
+
+
+@pytest.mark.parametrize(("preset", "states"), [("2p1d-mla", 558219), ("4p2d-replicated", 558219)])
+def test_replicated_head_presets_pass_every_property(preset: str, states: int) -> None:
+    r = explore_reduced(PRESETS[preset])[0]
+    assert r.complete and r.ok, r.violations
+    assert r.distinct_states == states
+    assert all(r.witnessed.values()), r.witnessed
+
+
+# (mutant, preset, shortest trace on the preset)
+ON_PRESETS = [
+    ("replicated_heads_written_twice", "2p1d-mla", 10),
+    ("replicated_heads_written_twice", "4p2d-replicated", 10),
+    ("mla_decode_waits_for_every_rank", "2p1d-mla", 13),
+]
+
+
+@pytest.mark.parametrize(("name", "preset", "length"), ON_PRESETS)
+def test_mapping_mutants_are_found_on_the_tp_mapping_presets(name: str, preset: str, length: int) -> None:
+    r, _ = explore_reduced(replace(PRESETS[preset], mutant=name))
+    v = r.violations[0]
+    assert (v["name"], len(v["trace"])) == (MUTANTS[name].expect, length)
 
 
 def test_a_violation_found_in_the_component_is_also_found_in_the_product() -> None:
