@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvfsm.check.model import CheckConfig, Label, Model, State
+from kvfsm.check.plans import RANK_SENSITIVE
 from kvfsm.check.properties import load_properties, stuck_rooms
 from kvfsm.layout.mapping import MappingError
 
@@ -262,8 +263,11 @@ def components(cfg: CheckConfig) -> list[tuple[CheckConfig, int]]:
 
     A prefill rank that nobody waits for and that writes nobody takes no part (no component). A
     component is explored as the configuration of one room whose rank mapping has its shape
-    (``ModelMapping.shape``); where none has, the whole configuration with one room is.
+    (``ModelMapping.shape``); where none has, the whole configuration with one room is, and so it
+    is under a plan mutant that depends on the ranks' global numbers (``plans.RANK_SENSITIVE``).
     """
+    if cfg.mutant in RANK_SENSITIVE:
+        return [(replace(cfg, rooms=1), cfg.rooms)]  # renumbered ranks would plan other head offsets
     mapping = cfg.mapping()
     edges = {d: set(mapping.peers_of("D", d)) for d in range(cfg.decode_ranks)}
     groups: dict[CheckConfig, int] = {}

@@ -52,6 +52,7 @@ from kvfsm.check.encoding import (
     thaw_prefill,
 )
 from kvfsm.check.mapping import ModelMapping, default_heads, model_mapping, rank_map
+from kvfsm.check.plans import WritePlans
 from kvfsm.check.properties import edge_notes, landing_notes
 from kvfsm.check.symmetry import Symmetric
 from kvfsm.protocol import (
@@ -161,6 +162,7 @@ class Model(Symmetric):
         self.sources = [self.mapping.expected[d] for d in range(D)]
         self.dests = [self.mapping.dests_of(p) for p in range(P)]
         self.required = [self.mapping.required_dests(d) for d in range(D)]
+        self.plans = WritePlans(cfg, self.kv_pages)  # the bytes each KV write moves (write_plan_exact)
         # per (source, destination): the other sources whose writes carry one of the same heads
         self.head_conflicts = {
             (p, d): tuple(

@@ -8,7 +8,9 @@ routable (and adds the row that lets a late notification revive it), ``early_exp
 leaves no tombstone when early messages expire. A mutant named in
 ``kvfsm.check.mapping.MAPPING_MUTANTS`` is a variant of the rank mapping as the model uses it
 (whom decode waits for, who writes which heads): ``replicated_heads_written_twice``,
-``mla_decode_waits_for_every_rank``. ``MUTANTS[name].config`` is a small configuration in which
+``mla_decode_waits_for_every_rank``. A mutant named in ``kvfsm.check.plans.PLAN_MUTANTS`` is a
+variant of the planner that gives each KV write its bytes (``kvfsm.layout.MUTANTS``):
+``head_offset_from_global_rank``, ``multi_chunk_overwrite``. ``MUTANTS[name].config`` is a small configuration in which
 ``kvfsm check`` must find it.
 """
 
@@ -255,6 +257,20 @@ MUTANTS: dict[str, Mutant] = {
             "no_wait_for_silent_rank",
             CheckConfig(2, 1, 1, 1, mla=True),
             lambda s: s,  # a mapping variant only (MAPPING_MUTANTS): the spec is unchanged
+        ),
+        Mutant(
+            "head_offset_from_global_rank",
+            "The destination head offset computed from the sender's global TP rank instead of its place in the decode rank's group: writes land on other heads or past the decode buffer (sglang.md §3.1)",
+            "write_plan_exact",
+            CheckConfig(2, 4, 1, 1),
+            lambda s: s,  # a plan variant only (kvfsm.check.plans.PLAN_MUTANTS): the spec is unchanged
+        ),
+        Mutant(
+            "multi_chunk_overwrite",
+            "Chunk offsets from the chunk's own token count instead of the running total: chunk N overwrites chunk N-1 (SGLang PR 18968; sglang.md §6.3)",
+            "write_plan_exact",
+            CheckConfig(1, 1, 1, 2),
+            lambda s: s,  # a plan variant only (kvfsm.check.plans.PLAN_MUTANTS): the spec is unchanged
         ),
     ]
 }

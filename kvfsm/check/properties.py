@@ -2,7 +2,9 @@
 
 ``edge_notes`` runs on every room step the model takes and ``landing_notes`` whenever a write's
 data lands (which KV heads a landed write carries follows from the model's rank mapping,
-``Model.mapping``: the landed set of (room, source, chunk, destination) is the ghost state); they add ``!name`` (an ``always`` property broken by this transition) or ``~name``
+``Model.mapping``: the landed set of (room, source, chunk, destination) is the ghost state; the
+bytes it moves follow from ``kvfsm.layout``'s plan, ``Model.plans``); they add ``!name`` (an
+``always`` property broken by this transition) or ``~name``
 (a ``sometimes`` property witnessed) to the transition's notes. ``stuck_rooms`` is the
 quiescent-state predicate of ``liveness.no_stuck_room``; ``no_progress_cycle`` is checked on the
 explored graph by the explorer. ``PREDICATES`` maps every spec name to its predicate, and a test
@@ -109,6 +111,9 @@ def landing_notes(model: Model, b: _Builder, room: int, p: int, d: int, chunk_id
     if chunk_id >= 0:  # a KV chunk: no other source's write of the same chunk carries one of its heads
         for q in model.head_conflicts.get((p, d), ()):
             b.forbid_landed((room, q, chunk_id, d), "!head_written_once")
+        # its plan (kvfsm.layout) writes exactly the chunk's head vectors the pair moves
+        if not model.plans.exact(p, d, chunk_id, model.pages(room)):
+            b.notes.add("!write_plan_exact")
     slot = b.slots[model.slot_index[("D", room, d)]]
     # pages must be allocated to this room (announced) and not yet handed back (cleared)
     if not isinstance(slot, tuple) or slot[0] in ("E", "X", "Cleared") or not slot[3]:
@@ -151,6 +156,7 @@ PREDICATES: dict[str, Callable[..., Any]] = {
     "scenario_1": edge_notes,
     "scenario_2": edge_notes,
     "head_written_once": landing_notes,
+    "write_plan_exact": landing_notes,
     "no_stuck_room": stuck_rooms,
     "no_wait_for_silent_rank": edge_notes,
     "no_progress_cycle": _edge,  # the explorer's topological sort of the explored graph

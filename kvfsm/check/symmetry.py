@@ -14,6 +14,7 @@ from typing import Any
 from kvfsm.check.effects import FlatStates
 from kvfsm.check.encoding import Item, State
 from kvfsm.check.mapping import ModelMapping
+from kvfsm.check.plans import RANK_SENSITIVE
 from kvfsm.protocol.wire import MESSAGE_CLASSES
 
 _KEPT_FIELDS = {"required_dests", "reason", "side", "chunk_id", "is_last", "page_start", "num_pages",
@@ -115,14 +116,15 @@ class Symmetric(FlatStates):
         renamed by pairs of permutations that keep the rank mapping (``ModelMapping.shape``: whom
         each rank waits for or writes, and which writes share a head); that is exact
         only while one crash at most is allowed (a decode room created with several sources
-        already dead reports the lowest one), so rank renamings need ``crash <= 1``.
+        already dead reports the lowest one), so rank renamings need ``crash <= 1``, and a plan
+        mutant that depends on the ranks' global numbers (``plans.RANK_SENSITIVE``) has none.
         """
         if self._symmetries is None:
             cfg = self.cfg
             rank_perms: list[tuple[tuple[int, ...], tuple[int, ...]]] = [
                 (tuple(range(cfg.prefill_ranks)), tuple(range(cfg.decode_ranks)))
             ]
-            if cfg.crash <= 1:
+            if cfg.crash <= 1 and cfg.mutant not in RANK_SENSITIVE:
                 shape = self.mapping.shape()
                 rank_perms = [
                     (pp, dp)

@@ -110,6 +110,9 @@ TRACE_LENGTH = {
     # mapping mutants (kvfsm.check.mapping.MAPPING_MUTANTS) on 2 P -> 1 D with MLA
     "replicated_heads_written_twice": 10,
     "mla_decode_waits_for_every_rank": 10,
+    # plan mutants (kvfsm.check.plans.PLAN_MUTANTS): 2 P -> 4 D, and 1 P -> 1 D with two chunks
+    "head_offset_from_global_rank": 9,
+    "multi_chunk_overwrite": 7,
 }
 
 

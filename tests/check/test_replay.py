@@ -15,12 +15,16 @@ from kvfsm.check import CheckConfig, explore
 from kvfsm.check.explore import _jsonable
 from kvfsm.check.model import Model
 from kvfsm.check.mutants import MUTANTS
+from kvfsm.check.plans import PLAN_MUTANTS
 from kvfsm.check.replay import Replayer, replay
 from kvfsm.protocol.routing import ROUTING, ROUTING_MUTANTS
 
 # Mutants of the routing that the model and the runtime share (kvfsm.protocol.routing): replay
 # hands the model's Routing to the runtime; with the correct routing their traces do not reproduce.
 ROUTED = sorted(ROUTING_MUTANTS)
+# Plan mutants (kvfsm.check.plans) change the bytes a write moves, which the runtime does not plan
+# yet: the checker finds them (tests/check/test_plans.py), replay has nothing to run.
+REPLAYED = sorted(set(MUTANTS) - set(PLAN_MUTANTS))
 
 
 def _write_trace(path: Path, cfg: CheckConfig, labels: list[list[object]], violation: str = "") -> Path:
@@ -31,12 +35,13 @@ def _write_trace(path: Path, cfg: CheckConfig, labels: list[list[object]], viola
     return path
 
 
-@pytest.mark.parametrize("name", sorted(MUTANTS))
+@pytest.mark.parametrize("name", REPLAYED)
 def test_every_mutant_trace_reproduces_on_the_runtime(name: str, tmp_path: Path) -> None:
     """The runtime follows every mutant's trace state for state and shows the violation where it
     is observable there. A mapping mutant reaches the runtime through the engine calls (decode is
     told the mutant's sources); ``replicated_heads_written_twice`` breaks ``head_written_once``,
-    which the runtime cannot see (its writes are pages, not heads): only the checker sees it."""
+    which the runtime cannot see (its writes are pages, not heads): only the checker sees it.
+    Plan mutants are left out (``REPLAYED``): the runtime does not execute plans yet."""
     m = MUTANTS[name]
     cfg = replace(m.config, mutant=name)
     r = explore(cfg)
