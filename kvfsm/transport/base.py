@@ -183,7 +183,64 @@ def as_region(buf: Any) -> MemoryRegion:
 
 
 def region_nbytes(buf: Any) -> int:
-    return as_region(buf).nbytes
+    return sum(r.nbytes for r in as_regions(buf))
+
+
+def as_regions(buf: Any) -> tuple[MemoryRegion, ...]:
+    """The parts of a KV region: one ``MemoryRegion`` for a buffer, one per buffer for a list or
+    tuple of buffers (an engine's per-layer tensors), which must all be host memory (DRAM) or
+    all device memory (VRAM) of one device. The parts make one virtual region in which part
+    ``i`` starts at the sum of the sizes of the parts before it (``Parts``)."""
+    if not isinstance(buf, list | tuple):
+        return (as_region(buf),)
+    if not buf:
+        raise TransportError("a region of several buffers needs at least one")
+    parts = tuple(as_region(b) for b in buf)
+    places = {(r.mem, r.device if r.mem == "VRAM" else 0) for r in parts}
+    if len(places) > 1:
+        raise TransportError(f"the buffers of one region must all be DRAM or all VRAM of one device, not {places}")
+    return parts
+
+
+class Parts:
+    """Where the parts of a region of several buffers lie in its virtual address space: part
+    ``i`` at ``bases[i]`` (the sum of the sizes before it), ``sizes[i]`` bytes; ``nbytes`` all
+    of them. ``locate`` maps virtual offsets to (part, offset in part), for arrays at once."""
+
+    __slots__ = ("bases", "sizes", "nbytes")
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+        if not len(self.sizes) or bool((self.sizes < 0).any()):
+            raise ValueError("Parts: one or more sizes, none negative")
+        self.bases = np.concatenate(([0], np.cumsum(self.sizes)[:-1])).astype(np.int64)
+        self.nbytes = int(self.sizes.sum())
+
+    def locate(self, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(part, offset within it, fits) of each segment ``[offsets, offsets + lengths)`` (all
+        within ``nbytes``): ``fits`` is False for one that runs past the end of its part, into
+        the next (an empty segment fits anywhere)."""
+        part = np.maximum(np.searchsorted(self.bases, offsets, side="right") - 1, 0)
+        within = offsets - self.bases[part]
+        fits = (lengths == 0) | (within + lengths <= self.sizes[part])
+        return part, within, fits
+
+
+def check_parts(segments: Sequence[Segment], src: Parts | None, dst: Parts | None, what: str) -> None:
+    """Refuse (TransportError naming the first) a segment that crosses a buffer boundary of the
+    source (``src``) or destination (``dst``) region of several buffers (None: one buffer, no
+    boundary). Segments must be within both regions already (``check_segments``)."""
+    arr = segments if type(segments) is SegmentArray else SegmentArray.of(segments)
+    for side, parts, offsets in (("source", src, arr.src), ("destination", dst, arr.dst)):
+        if parts is None or len(parts.sizes) < 2:
+            continue
+        fits = parts.locate(offsets, arr.length)[2]
+        if not bool(fits.all()):
+            s = arr[int(np.argmin(fits))]
+            raise TransportError(
+                f"{what}: segment {s} crosses a buffer boundary of the {side} region "
+                f"(buffers at {parts.bases.tolist()}, {parts.nbytes} bytes)"
+            )
 
 
 class ControlPlane(Protocol):
@@ -216,7 +273,10 @@ class DataPlane(Protocol):
 
     def register_memory(self, kv: Any, aux: Any, *, kv_block: int = 0, aux_block: int = 0) -> None:
         """Register both regions; ``kv_block``/``aux_block`` (page and aux-slot sizes) let a data
-        plane prepare block-granular descriptor lists once instead of per transfer."""
+        plane prepare block-granular descriptor lists once instead of per transfer. ``kv`` is a
+        buffer or a list or tuple of buffers (``as_regions``: an engine's per-layer tensors),
+        addressed as one virtual region in which buffer ``i`` starts at the sum of the sizes of
+        the buffers before it; a segment may not cross from one buffer into the next."""
         ...
 
     def descriptor(self) -> bytes:
@@ -233,7 +293,8 @@ class DataPlane(Protocol):
         """Copy ``segments`` (``src`` local offset, ``dst`` offset at ``peer``) into ``peer``'s
         ``region``; then deliver ``notification`` to it and a completion for ``tag`` to us.
         Returns the bytes posted. Raises TransportError *before any byte is written* if a segment
-        lies outside either registered region or the peer is unknown or dead; a failure after
+        lies outside either registered region, crosses a buffer boundary of a region of several
+        buffers (on either side), or the peer is unknown or dead; a failure after
         posting comes back as a completion with ``ok=False``."""
         ...
 

@@ -36,13 +36,15 @@ from kvfsm.transport.base import (
     AddPeer,
     Handler,
     Inbound,
+    Parts,
     Region,
     RemovePeer,
     Segment,
     TransportError,
-    as_region,
+    as_regions,
     check_segments,
 )
+from kvfsm.transport.loopback_memory import Pieces, address_of, check_pieces, copy_pieces, host_view
 
 log = logging.getLogger("kvfsm.transport.loopback")
 
@@ -331,6 +333,23 @@ class Fabric:
                     )
                 return 0
             raise TransportError(f"write to {peer}: peer is not reachable")
+        if (src._parts or dst._parts) and (region in src._parts or region in dst._parts):  # several buffers
+            moved = check_pieces(src.pieces(region), dst.pieces(region), segments, f"write {src.name}->{peer} {region}")
+            if moved is not None:
+                if self.async_writes:
+                    with self._lock:
+                        self._contacts[src.name].add(peer)
+                        self._contacts[peer].add(src.name)
+                        self._enqueue(
+                            _Item(
+                                src.name,
+                                peer,
+                                Inbound("completion", peer, tag=tag),
+                                job=(src, region, segments, notification),
+                            )
+                        )
+                    return moved
+                return self._land(src, peer, region, segments, notification, tag)
         src_mv = src.region(region)
         dst_mv = dst.region(region)
         if src_mv is None or dst_mv is None:
@@ -374,18 +393,21 @@ class Fabric:
                         _Item(peer, src.name, Inbound("completion", peer, tag=tag, ok=False, reason=f"{peer} is dead"))
                     )
                 return 0
-        src_mv, dst_mv = src.region(region), dst.region(region)
-        assert src_mv is not None and dst_mv is not None  # checked by _write
-        moved = 0
-        src_addr, dst_addr = src.address(region), dst.address(region)
-        for s in segments:
-            if src_addr and dst_addr:
-                # memmove through ctypes releases the GIL: copies run in parallel with the
-                # control path and with other transfer workers, as a real data plane does.
-                ctypes.memmove(dst_addr + s.dst, src_addr + s.src, s.length)
-            else:
-                dst_mv[s.dst : s.dst + s.length] = src_mv[s.src : s.src + s.length]
-            moved += s.length
+        if (src._parts or dst._parts) and (region in src._parts or region in dst._parts):
+            moved = copy_pieces(src.pieces(region), dst.pieces(region), segments)
+        else:
+            moved = 0
+            src_mv, dst_mv = src.region(region), dst.region(region)
+            assert src_mv is not None and dst_mv is not None  # checked by _write
+            src_addr, dst_addr = src.address(region), dst.address(region)
+            for s in segments:
+                if src_addr and dst_addr:
+                    # memmove through ctypes releases the GIL: copies run in parallel with the
+                    # control path and with other transfer workers, as a real data plane does.
+                    ctypes.memmove(dst_addr + s.dst, src_addr + s.src, s.length)
+                else:
+                    dst_mv[s.dst : s.dst + s.length] = src_mv[s.src : s.src + s.length]
+                moved += s.length
         with self._lock:
             self.stats.bytes_written += moved
             self.stats.writes += 1
@@ -417,6 +439,18 @@ class Fabric:
             src = self._endpoints.get(peer)
             if me.name in self._dead or peer in self._dead or src is None:
                 raise TransportError(f"read {peer}->{me.name}: peer is not reachable")
+        pieces = (src._parts or me._parts) and (region in src._parts or region in me._parts)
+        if pieces:
+            moved = check_pieces(src.pieces(region), me.pieces(region), segments, f"read {peer}->{me.name} {region}")
+            if moved is None:
+                raise TransportError(f"read {peer}->{me.name}: {region} region not registered on both ends")
+            copy_pieces(src.pieces(region), me.pieces(region), segments)
+            with self._lock:
+                self.stats.bytes_written += moved
+                self.stats.segments += len(segments)
+                self._post_locked(me.name, peer, Inbound("notification", me.name, data=notification), faulty=True)
+                self._post_locked(peer, me.name, Inbound("completion", peer, tag=tag), faulty=False)
+            return moved
         src_mv, dst_mv = src.region(region), me.region(region)
         if src_mv is None or dst_mv is None:
             raise TransportError(f"read {peer}->{me.name}: {region} region not registered on both ends")
@@ -443,6 +477,9 @@ class LoopbackEndpoint:
         self._kv: memoryview | None = None
         self._aux: memoryview | None = None
         self._addr: dict[str, int] = {}
+        # a region of several buffers: its parts' views, their addresses (0: copy through the
+        # view) and where they lie in the region's virtual space; absent for one buffer
+        self._parts: dict[str, Pieces] = {}
         # attach_data: a separate data plane's descriptor and hooks (loopback as a control plane)
         self._descriptor = b""
         self._add_peer: AddPeer | None = None
@@ -482,9 +519,16 @@ class LoopbackEndpoint:
         self.handler = handler
 
     def register_memory(self, kv: Any, aux: Any, *, kv_block: int = 0, aux_block: int = 0) -> None:
-        self._kv = _host_view(kv)
-        self._aux = _host_view(aux)
-        self._addr = {"kv": _address(self._kv), "aux": _address(self._aux)}
+        self._parts = {}
+        if isinstance(kv, list | tuple) and len(kv) != 1:
+            as_regions(kv)  # (the same checks as any data plane's)
+            views = [host_view(b) for b in kv]
+            self._parts["kv"] = Pieces(views, [address_of(v) for v in views], Parts([len(v) for v in views]))
+            self._kv = None
+        else:
+            self._kv = host_view(kv[0] if isinstance(kv, list | tuple) else kv)
+        self._aux = host_view(aux)
+        self._addr = {"kv": address_of(self._kv) if self._kv is not None else 0, "aux": address_of(self._aux)}
 
     def descriptor(self) -> bytes:
         return b""  # the fabric knows every endpoint's memory
@@ -500,11 +544,21 @@ class LoopbackEndpoint:
         pass
 
     def region(self, region: Region) -> memoryview | None:
+        """The bytes of a region of one buffer (None: not registered, or of several buffers)."""
         if region == "kv":
             return self._kv
         if region == "aux":
             return self._aux
         raise TransportError(f"unknown region {region!r}: 'kv' or 'aux'")
+
+    def pieces(self, region: Region) -> Pieces | None:
+        """A registered region's parts: views, addresses (0: copy through the view) and layout
+        (``Parts``); one part for a region of one buffer. None: not registered."""
+        found = self._parts.get(region)
+        if found is not None:
+            return found
+        mv = self.region(region)
+        return None if mv is None else Pieces([mv], [self.address(region)], Parts([len(mv)]))
 
     def address(self, region: Region) -> int:
         """Base address of a registered writable region (0: unknown, copy through memoryview)."""
@@ -529,23 +583,3 @@ class LoopbackEndpoint:
         """Test hook: queue an arbitrary inbound item for this endpoint as if ``peer`` sent it."""
         with self.fabric._lock:
             self.fabric._enqueue(_Item(peer, self.name, inbound))
-
-
-def _host_view(buf: Any) -> memoryview:
-    """Bytes of a host buffer: anything with the buffer protocol, or a CPU tensor."""
-    if hasattr(buf, "data_ptr"):
-        region = as_region(buf)
-        if region.mem != "DRAM":
-            raise TransportError(f"loopback moves host memory only, not {region.mem}")
-        return region.view()
-    return memoryview(buf).cast("B")
-
-
-def _address(mv: memoryview) -> int:
-    """Address of a writable contiguous buffer, or 0 if it cannot be taken (read-only, empty)."""
-    if mv.readonly or not mv.contiguous or not len(mv):
-        return 0
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
-    except (TypeError, ValueError):
-        return 0
