@@ -378,6 +378,104 @@ def check_registers_torch_tensors(make: PlanesFactory, *, timeout: float = 10.0)
         assert torch.equal(tensors["y"][: 4 * KV_BLOCK], tensors["x"][KV_BLOCK : 5 * KV_BLOCK]), "the tensor write"
 
 
+# The KV buffers of the check of regions of several buffers: three of different sizes on "a" and
+# on "b", cut differently, and one buffer on "c" (a region of one buffer facing one of several).
+_PARTS = {
+    "a": (3 * KV_BLOCK, 5 * KV_BLOCK + 100, 2 * KV_BLOCK),
+    "b": (2 * KV_BLOCK + 50, 4 * KV_BLOCK, 4 * KV_BLOCK + 50),
+    "c": (10 * KV_BLOCK + 100,),
+}
+
+
+class _PartsNet(Net):
+    """Data planes whose KV region is a list of buffers (``_PARTS``), seeded, peers of each other."""
+
+    def __init__(self, made: Planes[Any], names: tuple[str, ...], timeout: float) -> None:
+        super().__init__(made, names, timeout)
+        rng = np.random.default_rng(5)
+        self.parts = {n: [rng.integers(0, 256, k, dtype=np.uint8) for k in _PARTS[n]] for n in names}
+        try:
+            for n, p in self.planes.items():
+                kv = self.parts[n] if len(self.parts[n]) > 1 else self.parts[n][0]
+                p.register_memory(kv, np.zeros(AUX_BYTES, np.uint8), kv_block=KV_BLOCK, aux_block=AUX_BLOCK)
+            for n, p in self.planes.items():
+                for m, q in self.planes.items():
+                    if m != n:
+                        p.add_peer(m, q.descriptor())
+        except BaseException:
+            made.close()
+            raise
+
+    def kv(self, name: str) -> np.ndarray:
+        """``name``'s KV region as its virtual space: its buffers one after another (a copy)."""
+        return np.concatenate(self.parts[name])
+
+
+def check_kv_of_several_buffers_is_one_virtual_region(make: PlanesFactory, *, timeout: float = 10.0) -> None:
+    """A KV region registered as a list of buffers is one virtual region (buffer ``i`` starts at
+    the sum of the sizes before it) on both sides: writes with several segments, each inside one
+    buffer on both sides and together touching every buffer, land byte for byte (as ``Segment``s
+    or a ``SegmentArray``, between two such regions or with a region of one buffer at either
+    end), and so does a read; a segment that crosses a buffer boundary of either side, alone or
+    after a good one, is refused with TransportError naming it before anything moves, notifies or
+    completes."""
+    b0, b1 = _PARTS["b"][0], _PARTS["b"][0] + _PARTS["b"][1]  # where b's buffers 1 and 2 start
+    a1, a2 = _PARTS["a"][0], _PARTS["a"][0] + _PARTS["a"][1]
+    good = [  # inside one buffer on both sides; every buffer of a and b touched
+        Segment(10, b1 + 7, 300),
+        Segment(a1 + 5, 3, 2 * KV_BLOCK),
+        Segment(a2, b0, KV_BLOCK),
+        Segment(a2 + KV_BLOCK, b1 + 4 * KV_BLOCK + 50 - 8, 8),  # ends exactly where b ends
+        Segment(a1 - 40, b0 + 2 * KV_BLOCK, 40),  # ends exactly where a's buffer 0 ends
+    ]
+    pairs = {"a->b": ("a", "b"), "a->c": ("a", "c"), "c->b": ("c", "b")}
+    for form in ("list", "array"):
+        for label, (w, r) in pairs.items():
+            with case(make, f"several buffers [{form}, write {label}]", ("a", "b", "c"), timeout, _PartsNet) as net:
+                segs = [g for g in good if g.dst + g.length <= len(net.kv(r)) and g.src + g.length <= len(net.kv(w))]
+                expected = _apply(net.kv(r), net.kv(w), segs)
+                arg: Any = segs if form == "list" else SegmentArray.of(segs)
+                moved = net.planes[w].write(r, "kv", arg, b"parts", "p")
+                assert moved == sum(g.length for g in segs), f"write returned {moved}"
+                net.wait(lambda: bool(net.rec.got(w, "completion")), "the write's completion")  # noqa: B023
+                net.wait(lambda: bool(net.rec.got(r, "notification")), "the write's notification")  # noqa: B023
+                assert (net.kv(r) == expected).all(), f"{r}'s buffers do not hold exactly the written bytes"
+                (done,) = net.rec.got(w, "completion")
+                assert (done.tag, done.ok) == ("p", True), f"completion {done}"
+    with case(make, "several buffers [read]", ("a", "b", "c"), timeout, _PartsNet) as net:
+        segs = [Segment(g.dst, g.src, g.length) for g in good]  # b's offsets are the source now
+        expected = _apply(net.kv("a"), net.kv("b"), segs)
+        moved = net.planes["a"].read("b", "kv", segs, b"read", "r")
+        assert moved == sum(g.length for g in segs), f"read returned {moved}"
+        net.wait(lambda: bool(net.rec.got("a", "completion")) and bool(net.rec.got("b", "notification")), "the read")
+        assert (net.kv("a") == expected).all(), "the reader's buffers do not hold exactly the bytes read"
+    crossing = {
+        "source": Segment(a1 - 8, 0, 16),  # a's buffers 0 and 1
+        "destination": Segment(0, b1 - 8, 16),  # b's buffers 1 and 2
+        "destination-of-one-buffer-source": Segment(0, b0 - 1, 2),
+    }
+    for form in ("list", "array"):
+        for bad_id, bad in crossing.items():
+            for alone in (False, True):
+                w = "c" if bad_id.endswith("one-buffer-source") else "a"
+                label = f"several buffers [{form}, crossing the {bad_id}, {'alone' if alone else 'after-a-good-one'}]"
+                with case(make, label, ("a", "b", "c"), timeout, _PartsNet) as net:
+                    before = net.kv("b")
+                    segs = [bad] if alone else [Segment(0, 0, 8), bad]
+                    arg = segs if form == "list" else SegmentArray.of(segs)
+                    with raises(TransportError, f"write of {segs}", match="boundary") as err:
+                        net.planes[w].write("b", "kv", arg, b"x", "t")
+                    assert str(bad) in str(err[0]), f"the error {err[0]!r} does not name the bad segment {bad}"
+                    run = getattr(net.planes[w], "write_run", None)
+                    if run is not None:
+                        with raises(TransportError, f"write_run of {bad}", match="boundary"):
+                            run("b", "kv", bad.src, bad.dst, bad.length, b"x", "t")
+                    net.quiet()
+                    assert (net.kv("b") == before).all(), "a refused write moved bytes"
+                    assert net.rec.got("b", "notification") == [], "a refused write notified"
+                    assert net.rec.got(w, "completion") == [], "a refused write completed"
+
+
 DATA_PLANE_CHECKS: tuple[Callable[..., None], ...] = (
     check_write_lands_exactly_and_notifies_after_data,
     check_read_copies_from_peer_and_notifies_it,
@@ -390,6 +488,7 @@ DATA_PLANE_CHECKS: tuple[Callable[..., None], ...] = (
     check_write_many_is_each_write_in_order,
     check_concurrent_writers_each_complete_exactly_once,
     check_registers_torch_tensors,
+    check_kv_of_several_buffers_is_one_virtual_region,
 )
 
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvfsm.transport.base import MemoryRegion, Segment, SegmentArray, TransportError, check_segments
+from kvfsm.transport.base import MemoryRegion, Parts, Segment, SegmentArray, TransportError, check_parts, check_segments
 from kvfsm.transport.nixl.descriptors import RemoteRegion
 from kvfsm.transport.nixl.notes import MAX_BATCH
 
@@ -42,6 +42,19 @@ class _Route(NamedTuple):
     mems: tuple[str, str]  # memory kinds: ours, the peer's
 
 
+class Spread(NamedTuple):
+    """A registered region of several buffers: each buffer's address (``addrs``, int64, in the
+    order of the region's virtual space) and where it lies in that space (``parts``)."""
+
+    addrs: np.ndarray
+    parts: Parts
+
+    @classmethod
+    def of(cls, buffers: Sequence[tuple[int, int]]) -> Spread:
+        """From each buffer's (address, bytes), in order."""
+        return cls(np.array([a for a, _ in buffers], dtype=np.int64), Parts([n for _, n in buffers]))
+
+
 @dataclass(slots=True)
 class _Job:
     """A validated write or read, described, waiting to be posted."""
@@ -55,7 +68,10 @@ class _Job:
     lrows: Rows  # exact byte ranges (addr, len, dev); empty: notification only
     rrows: Rows
     prepped: tuple[np.ndarray, np.ndarray] | None = None  # (local, remote) block indices into the prepared lists
-    region: str = ""  # the region written or read ("kv", "aux"): merge_rows never joins two
+    # the region written or read ("kv", "aux"): merge_rows never joins two. "": rows in a region
+    # of several buffers, which merge_rows must not join either (two buffers adjacent in memory
+    # are two registrations to NIXL)
+    region: str = ""
 
 
 @dataclass(slots=True)
@@ -126,6 +142,50 @@ def describe(
             lrows.append((local.addr + loff, s.length, local.device))
             rrows.append((remote.addr + roff, s.length, remote.device))
     return job
+
+
+def describe_spread(
+    me: str,
+    op: str,
+    peer: str,
+    region: str,
+    segments: Sequence[Segment],
+    note: bytes,
+    tag: object,
+    local: MemoryRegion,
+    remote: RemoteRegion,
+    lspread: Spread | None,
+    rspread: Spread | None,
+) -> _Job:
+    """``describe`` where our region or the peer's is of several buffers (``lspread``,
+    ``rspread``; None: one buffer): segments checked against both regions and refused if one
+    crosses a buffer boundary on either side (TransportError), then exact byte ranges, each
+    segment's virtual offsets mapped to its buffer's address. No prepared block lists."""
+    src_len, dst_len = (local.nbytes, remote.nbytes) if op == "WRITE" else (remote.nbytes, local.nbytes)
+    src_spread, dst_spread = (lspread, rspread) if op == "WRITE" else (rspread, lspread)
+    what = f"{op.lower()} {me}->{peer} {region}"
+    total = check_segments(segments, src_len, dst_len, what)
+    check_parts(
+        segments,
+        None if src_spread is None else src_spread.parts,
+        None if dst_spread is None else dst_spread.parts,
+        what,
+    )
+    if op == "READ" and local.readonly:
+        raise TransportError(f"{op.lower()} {me}->{peer}: our {region} region is read-only")
+    arr = (segments if type(segments) is SegmentArray else SegmentArray.of(segments)).nonempty()
+    loffs, roffs = (arr.src, arr.dst) if op == "WRITE" else (arr.dst, arr.src)
+    lengths = arr.length.tolist()
+
+    def addrs(offs: np.ndarray, base: int, spread: Spread | None) -> list[int]:
+        if spread is None:
+            return (offs + base).tolist()  # type: ignore[no-any-return]
+        part, within, _ = spread.parts.locate(offs, arr.length)
+        return (spread.addrs[part] + within).tolist()  # type: ignore[no-any-return]
+
+    lrows = list(zip(addrs(loffs, local.addr, lspread), lengths, repeat(local.device), strict=False))
+    rrows = list(zip(addrs(roffs, remote.addr, rspread), lengths, repeat(remote.device), strict=False))
+    return _Job(op, peer, note, tag, total, (local.mem, remote.mem), lrows, rrows, None, "")
 
 
 def use_prepped(segments: int, blocks: int) -> bool:

@@ -62,6 +62,7 @@ class NixlDataPlane(_Peers, _Posting, _Poller):
         self._expecting = True
         self._local = {}
         self._blocks = {}
+        self._spread = {}
         self._reg = []
         self._prepped = {}
         self._peers = {}

@@ -392,7 +392,7 @@ class _Posting(_PlaneState):
                 else:
                     lrows = [r for j in group for r in j.lrows]
                     rrows = [r for j in group for r in j.rrows]
-                if len(lrows) > 1 and all(j.region == first.region for j in group):
+                if len(lrows) > 1 and first.region and all(j.region == first.region for j in group):
                     # (not across regions: two registrations, however adjacent in memory, are
                     # two to NIXL, and a descriptor spanning both fails the whole transfer)
                     lrows, rrows = merge_rows(lrows, rrows)

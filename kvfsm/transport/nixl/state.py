@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvfsm.transport.base import Region, Segment
     from kvfsm.transport.nixl.config import NixlConfig
     from kvfsm.transport.nixl.peers import _Peer
-    from kvfsm.transport.nixl.plan import _Job, _Route, _Xfer
+    from kvfsm.transport.nixl.plan import Spread, _Job, _Route, _Xfer
 
 log = logging.getLogger("kvfsm.transport.nixl")
 
@@ -43,6 +43,7 @@ class _PlaneState:
     _lock: threading.Lock  # guards every call into the agent (its default sync mode takes none)
     _local: dict[str, MemoryRegion]
     _blocks: dict[str, int]  # region -> block size of its prepared local list
+    _spread: dict[str, Spread]  # region -> its buffers, for a region of several (absent: one)
     _reg: list[Any]
     _prepped: dict[str, Any]  # region -> local prepared dlist handle
     _peers: dict[str, _Peer]
