@@ -66,6 +66,23 @@ class Plan:
     def bytes(self) -> int:
         return int(self.runs[:, LENGTH].sum())
 
+    def segments(self, src: KVLayout, dst: KVLayout) -> tuple[IntArray, IntArray, IntArray]:
+        """The runs as (source offsets, destination offsets, lengths) in each side's virtual KV
+        region: its buffers one after another, buffer ``i`` at the sum of the sizes of the
+        buffers before it (``KVLayout.buffers``), as a data plane addresses a KV region
+        registered as a list of buffers. ``SegmentArray(*plan.segments(src, dst))`` is the write."""
+        runs = self.runs
+        sbases, dbases = (np.concatenate(([0], np.cumsum(lay.buffers(), dtype=np.int64)[:-1])) for lay in (src, dst))
+        if runs.shape[0] and (
+            int(runs[:, SRC_BUFFER].max()) >= len(sbases) or int(runs[:, DST_BUFFER].max()) >= len(dbases)
+        ):
+            raise LayoutError("the plan names a buffer its layouts do not have")
+        return (
+            sbases[runs[:, SRC_BUFFER]] + runs[:, SRC_OFFSET],
+            dbases[runs[:, DST_BUFFER]] + runs[:, DST_OFFSET],
+            runs[:, LENGTH].copy(),
+        )
+
 
 def _pages(pages: npt.ArrayLike, layout: KVLayout, side: str, end_token: int) -> IntArray:
     arr = np.asarray(pages, dtype=np.int64).reshape(-1)

@@ -5,6 +5,7 @@ checked against a plain per-segment reference."""
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfsm.runtime.pages import COALESCE_ARRAY_MIN, as_pages, coalesce
-from kvfsm.transport.base import Segment, SegmentArray, TransportError, check_segments
+from kvfsm.transport.base import Parts, Segment, SegmentArray, TransportError, check_parts, check_segments
 
 segments_st = st.lists(st.builds(Segment, st.integers(-3, 200), st.integers(-3, 200), st.integers(-3, 60)), max_size=12)
 
@@ -117,3 +118,33 @@ def test_block_indices_from_arrays_match_the_per_segment_reference() -> None:
             else:
                 assert got is not None and got[0].dtype == np.int32
                 assert (got[0].tolist(), got[1].tolist()) == expected
+
+
+@given(
+    st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    st.lists(st.tuples(st.integers(0, 200), st.integers(0, 60)), max_size=12),
+)
+def test_parts_locate_each_segment_in_its_buffer_as_a_scan_would(sizes: list[int], raw: list[tuple[int, int]]) -> None:
+    """``Parts.locate`` (searchsorted) against a scan of the buffers: the buffer a segment starts
+    in (the last of those starting at or before it: an empty buffer holds nothing), its offset
+    there, and whether it ends within that buffer; ``check_parts`` refuses the first that does not."""
+    parts = Parts(sizes)
+    total = sum(sizes)
+    segs = [Segment(o, o, n) for o, n in raw if o + n <= total]
+    offs = np.array([s.src for s in segs], dtype=np.int64)
+    lens = np.array([s.length for s in segs], dtype=np.int64)
+    part, within, fits = parts.locate(offs, lens)
+    bases = [sum(sizes[:i]) for i in range(len(sizes))]
+    for k, s in enumerate(segs):
+        i = max(j for j in range(len(sizes)) if bases[j] <= s.src)
+        assert (int(part[k]), int(within[k])) == (i, s.src - bases[i])
+        assert bool(fits[k]) == (s.length == 0 or s.src + s.length <= bases[i] + sizes[i])
+    bad = [s for k, s in enumerate(segs) if not fits[k]]
+    for form in (segs, SegmentArray.of(segs)):
+        if bad and len(sizes) > 1:
+            with pytest.raises(TransportError, match=re.escape(f"{bad[0]} crosses a buffer boundary")):
+                check_parts(form, parts, None, "w")
+            with pytest.raises(TransportError, match="destination"):
+                check_parts(form, None, parts, "w")
+        else:
+            check_parts(form, parts, parts, "w")
