@@ -22,6 +22,14 @@ AUX_BLOCK = 64
 AUX_BYTES = 16 * AUX_BLOCK
 
 
+def _connect(planes: dict[str, Any]) -> None:
+    """Every plane learns every other plane's descriptor (what the control plane's HELLOs do)."""
+    for n, p in planes.items():
+        for m, q in planes.items():
+            if m != n:
+                p.add_peer(m, q.descriptor())
+
+
 class _DataNet(Net):
     """Data planes with seeded KV and aux memory registered, each the peer of every other."""
 
@@ -33,10 +41,7 @@ class _DataNet(Net):
         try:
             for n, p in self.planes.items():
                 p.register_memory(self.kv[n], self.aux[n], kv_block=KV_BLOCK, aux_block=AUX_BLOCK)
-            for n, p in self.planes.items():
-                for m, q in self.planes.items():
-                    if m != n:
-                        p.add_peer(m, q.descriptor())
+            _connect(self.planes)
         except BaseException:
             made.close()
             raise
@@ -398,10 +403,7 @@ class _PartsNet(Net):
             for n, p in self.planes.items():
                 kv = self.parts[n] if len(self.parts[n]) > 1 else self.parts[n][0]
                 p.register_memory(kv, np.zeros(AUX_BYTES, np.uint8), kv_block=KV_BLOCK, aux_block=AUX_BLOCK)
-            for n, p in self.planes.items():
-                for m, q in self.planes.items():
-                    if m != n:
-                        p.add_peer(m, q.descriptor())
+            _connect(self.planes)
         except BaseException:
             made.close()
             raise
