@@ -22,7 +22,8 @@ from typing import Any
 
 from kvfsm.check.model import CheckConfig
 from kvfsm.protocol import Protocol, SendMessage, load_spec
-from kvfsm.protocol.functions import ACTIONS, GUARDS, _source_done
+from kvfsm.protocol.decode_rules import _source_done
+from kvfsm.protocol.functions import ACTIONS, GUARDS
 from kvfsm.protocol.spec import MachineSpec, ProtocolSpec, RowSpec
 from kvfsm.protocol.wire import Drained
 

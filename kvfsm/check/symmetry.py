@@ -18,7 +18,7 @@ from kvfsm.check.plans import RANK_SENSITIVE
 from kvfsm.protocol.wire import MESSAGE_CLASSES
 
 _KEPT_FIELDS = {"required_dests", "reason", "side", "chunk_id", "is_last", "token_start", "num_tokens",
-                "peer_kv_pages", "peer_aux_slots"}  # fmt: skip
+                "peer_kv_pages", "peer_aux_slots", "tokens", "peer_page_size"}  # fmt: skip
 
 
 @dataclass(eq=False)

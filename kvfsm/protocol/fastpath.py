@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+from kvfsm.protocol import decode_rules as d
 from kvfsm.protocol import functions as f
 from kvfsm.protocol.actions import PostAuxWrite
 from kvfsm.protocol.events import AUX_WRITE, ChunkArrived, ChunkReady
@@ -227,11 +228,11 @@ def arrival(room: DecodeRoom, ev: ChunkArrived) -> bool:
     does not complete the room, while Transferring): the chunk recorded and the transfer timer
     armed in ``room.timers`` (the caller sets its deadline). False, the room untouched,
     otherwise."""
-    if room.state != RECEIVING or not f.chunk_valid(room, ev):
+    if room.state != RECEIVING or not d.chunk_valid(room, ev):
         return False  # D5, D4 (a chunk id received already is a problem too) or another state
-    if f.completes_room(room, ev):
+    if d.completes_room(room, ev):
         return False  # D6 or D7: the room concludes
-    f.record_chunk(room, ev, None, "")  # type: ignore[arg-type] # (it reads no context)
+    d.record_chunk(room, ev, None, "")  # type: ignore[arg-type] # (it reads no context)
     room.timers.add(TIMER)
     room.last_row = "D8"
     return True

@@ -36,10 +36,13 @@ from typing import Any
 from transitions import Machine
 
 from kvfsm.protocol.actions import Action, RecordProtocolError
+
+# (the decode room's and the link machines' guards and actions register themselves on import)
+from kvfsm.protocol.decode_rules import alloc_ok  # noqa: F401
 from kvfsm.protocol.errors import LocalProtocolError, SpecError
 from kvfsm.protocol.events import Event
 from kvfsm.protocol.functions import ACTION_ARGS, ACTIONS, EXPLAIN, GUARDS, ActionFn, Guard, StepContext
-from kvfsm.protocol.links import accept_link  # noqa: F401 - registers the link machines' guards and actions
+from kvfsm.protocol.links import accept_link  # noqa: F401
 from kvfsm.protocol.rooms import DecodeLink, DecodeRoom, PrefillLink, PrefillRoom
 from kvfsm.protocol.spec import MachineSpec, ProtocolSpec, RowSpec, load_spec
 from kvfsm.protocol.wire import Codec

@@ -235,3 +235,33 @@ def test_verify_plan_names_what_a_corrupted_plan_gets_wrong(how: str, words: str
     verify_plan(good, src, dst, sp, dp, 10, 100, mapping)
     with pytest.raises(PlanError, match=words):
         verify_plan(corrupt(good, how, src.vector_bytes), src, dst, sp, dp, 10, 100, mapping)
+
+
+@pytest.mark.parametrize(("ps", "pd"), [(16, 64), (64, 16), (16, 16), (32, 16)])
+def test_a_chunk_planned_from_only_the_pages_it_touches_equals_the_plan_from_whole_lists(ps: int, pd: int) -> None:
+    """The runtime hands a chunk's own pages and the decode pages that hold its tokens, each list
+    starting at the request's page that holds the chunk's first token (``*_first_page``)."""
+    rng = np.random.default_rng(7)
+    mapping = RankMap(4, 2, 4)
+    src = KVLayout(2, 4, 8, 2, 2, 1, ps, 40)
+    dst = KVLayout(2, 4, 8, 2, 4, 3, pd, 40)
+    tokens = 300
+    spages = rng.permutation(40)[: -(-tokens // ps)]
+    dpages = rng.permutation(40)[: -(-tokens // pd)]
+    planner = Planner(src, dst, mapping)
+    first = 0
+    for n in (2, 1, 5, 3, 7):
+        end = min(first + n * ps, tokens)
+        s0, d0 = first // ps, first // pd
+        s1, d1 = -(-end // ps), -(-end // pd)
+        part = planner.plan(spages[s0:s1], dpages[d0:d1], first, end - first, src_first_page=s0, dst_first_page=d0)
+        whole = planner.plan(spages, dpages, first, end - first)
+        assert np.array_equal(part.runs, whole.runs)
+        verify_plan(part, src, dst, spages[s0:s1], dpages[d0:d1], first, end - first, mapping,
+                    src_first_page=s0, dst_first_page=d0)  # fmt: skip
+        if s0 or d0:
+            with pytest.raises(PlanError):  # the same slices read as if they began the request
+                verify_plan(part, src, dst, spages[s0:s1], dpages[d0:d1], first, end - first, mapping)
+        first = end
+        if first >= tokens:
+            break

@@ -288,8 +288,13 @@ def check_writes(room: PrefillRoom, actions: list[Action]) -> None:
             ann = room.dests[a.dest_rank]
             n = a.notification
             assert (n.room, n.src, n.chunk_id) == (room.room, room.rank, a.chunk_id)
-            assert len(a.src_pages) == len(a.dst_pages) == n.num_tokens
-            assert a.dst_pages == ann.pages[n.token_start : n.token_start + n.num_tokens]
+            # the chunk's tokens: its source pages hold them from the first; the destination
+            # pages are exactly those that hold them (a page a token without layouts)
+            ps, dp, first, end = room.page_size, ann.page_size, n.token_start, n.token_start + n.num_tokens
+            assert first % ps == 0 and end <= ann.tokens
+            assert -(-n.num_tokens // ps) == len(a.src_pages) or (a.notification.is_last and n.num_tokens == 0)
+            lo, hi = first // dp, (-(-end // dp) if end > first else first // dp)
+            assert a.dst_pages == ann.pages[lo:hi]
             assert all(0 <= p < room.kv_pages for p in a.src_pages)
             assert (a.dest_rank, a.chunk_id) in room.inflight
         elif isinstance(a, PostAuxWrite):
