@@ -311,7 +311,7 @@ def run_layout_demo(cfg: LayoutDemoConfig) -> dict[str, Any]:
                 try:
                     elements += cache.check(room.dpages[d], room.tokens, room.seed)
                 except CacheMismatch as exc:
-                    problems.append(f"room {room.rid} ({room.tokens} tokens): {exc}")
+                    problems.append(f"room {room.rid} ({room.tokens} tokens) at decode: {exc}")
                 got = ranks.daux[d][room.slot * ab : (room.slot + 1) * ab]
                 if not (got == aux_bytes_of(room.seed, ab)).all():
                     problems.append(f"room {room.rid}: decode rank {d} aux slot {room.slot} differs from prefill's")
