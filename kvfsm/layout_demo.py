@@ -158,10 +158,11 @@ class _Ranks:
         self.prefill: list[PrefillManager] = []
         self.decode: list[DecodeManager] = []
         self._closers: list[Callable[[], None]] = []
-        if cfg.transport == "loopback":
-            self._loopback()
-        else:
-            self._nixl()
+        try:
+            self._loopback() if cfg.transport == "loopback" else self._nixl()
+        except BaseException:
+            self.close()  # what was started so far: threads, agents, the bootstrap service
+            raise
 
     @property
     def managers(self) -> list[PrefillManager | DecodeManager]:
@@ -345,58 +346,60 @@ def run_layout_demo(cfg: LayoutDemoConfig) -> dict[str, Any]:
         )
 
     ids = [1000 + 7 * i for i in range(c.rooms)]  # sparse room ids, as engines use
-    t0 = time.perf_counter()
-    for w in range(0, c.rooms, c.concurrency):
-        wave: list[_Room] = []
-        for slot, rid in enumerate(ids[w : w + c.concurrency]):
-            tokens = rng.randint(c.tokens_min, c.tokens_max)
-            while tokens > 1 and (tokens % c.prefill_page == 0 or tokens % c.decode_page == 0):
-                tokens -= 1  # a prompt that ends inside a page on both sides
-            first = c.order.split("-")[0] if c.order != "mixed" else rng.choice(["decode", "prefill"])
-            room = _Room(
-                rid,
-                slot,
-                seed=c.seed * 1_000_003 + rid,
-                tokens=tokens,
-                first=first,
-                ppages=[pool.take(-(-tokens // c.prefill_page)) for pool in ppools],
-                dpages=[pool.take(-(-tokens // c.decode_page)) for pool in dpools],
-            )
-            for p, cache in enumerate(ranks.pcache):
-                cache.fill(room.ppages[p], tokens, room.seed)
-                ranks.paux[p][slot * ab : (slot + 1) * ab] = aux_bytes_of(room.seed, ab)
-            tokens_moved += tokens
-            wave.append(room)
-        for room in wave:
-            (start_decode if room.first == "decode" else start_prefill)(room)
-        ranks.step()
-        for room in wave:
-            (start_prefill if room.first == "decode" else start_decode)(room)
-        pending = list(wave)
-        limit = time.monotonic() + 10 * c.transfer_timeout
-        while pending and time.monotonic() < limit:
+    try:
+        t0 = time.perf_counter()
+        for w in range(0, c.rooms, c.concurrency):
+            wave: list[_Room] = []
+            for slot, rid in enumerate(ids[w : w + c.concurrency]):
+                tokens = rng.randint(c.tokens_min, c.tokens_max)
+                while tokens > 1 and (tokens % c.prefill_page == 0 or tokens % c.decode_page == 0):
+                    tokens -= 1  # a prompt that ends inside a page on both sides
+                first = c.order.split("-")[0] if c.order != "mixed" else rng.choice(["decode", "prefill"])
+                room = _Room(
+                    rid,
+                    slot,
+                    seed=c.seed * 1_000_003 + rid,
+                    tokens=tokens,
+                    first=first,
+                    ppages=[pool.take(-(-tokens // c.prefill_page)) for pool in ppools],
+                    dpages=[pool.take(-(-tokens // c.decode_page)) for pool in dpools],
+                )
+                for p, cache in enumerate(ranks.pcache):
+                    cache.fill(room.ppages[p], tokens, room.seed)
+                    ranks.paux[p][slot * ab : (slot + 1) * ab] = aux_bytes_of(room.seed, ab)
+                tokens_moved += tokens
+                wave.append(room)
+            for room in wave:
+                (start_decode if room.first == "decode" else start_prefill)(room)
             ranks.step()
-            for room in [r for r in pending if done(r)]:
-                conclude(room)
-                pending.remove(room)
-        for room in pending:
-            outcome["stuck"] += 1
-            states = {f"decode{d}": KVPOLL_NAMES[r.poll()] for d, r in room.receivers.items()}
-            states |= {f"prefill{p}": KVPOLL_NAMES[s.poll()] for p, s in room.senders.items()}
-            problems.append(f"room {room.rid} did not conclude in {10 * c.transfer_timeout} s: {states}")
-        if not pending:  # every room of the wave concluded and was erased: all caches are sentinel again
-            for side, caches in (("decode", ranks.dcache), ("prefill", ranks.pcache)):
-                for r, cache in enumerate(caches):
-                    try:
-                        cache.untouched()
-                    except CacheMismatch as exc:
-                        problems.append(f"after wave {w // c.concurrency}, {side} rank {r}: {exc}")
-        if outcome["stuck"]:
-            break  # their pages may still be written: a later wave could not be checked
-    seconds = time.perf_counter() - t0
-    leftovers = sum(m.live_rooms() for m in ranks.managers)
-    stats = {f"{m.side}{m.rank}": m.stats() for m in ranks.managers}
-    ranks.close()
+            for room in wave:
+                (start_prefill if room.first == "decode" else start_decode)(room)
+            pending = list(wave)
+            limit = time.monotonic() + 10 * c.transfer_timeout
+            while pending and time.monotonic() < limit:
+                ranks.step()
+                for room in [r for r in pending if done(r)]:
+                    conclude(room)
+                    pending.remove(room)
+            for room in pending:
+                outcome["stuck"] += 1
+                states = {f"decode{d}": KVPOLL_NAMES[r.poll()] for d, r in room.receivers.items()}
+                states |= {f"prefill{p}": KVPOLL_NAMES[s.poll()] for p, s in room.senders.items()}
+                problems.append(f"room {room.rid} did not conclude in {10 * c.transfer_timeout} s: {states}")
+            if not pending:  # every room of the wave concluded and was erased: all caches are sentinel again
+                for side, caches in (("decode", ranks.dcache), ("prefill", ranks.pcache)):
+                    for r, cache in enumerate(caches):
+                        try:
+                            cache.untouched()
+                        except CacheMismatch as exc:
+                            problems.append(f"after wave {w // c.concurrency}, {side} rank {r}: {exc}")
+            if outcome["stuck"]:
+                break  # their pages may still be written: a later wave could not be checked
+        seconds = time.perf_counter() - t0
+        leftovers = sum(m.live_rooms() for m in ranks.managers)
+        stats = {f"{m.side}{m.rank}": m.stats() for m in ranks.managers}
+    finally:
+        ranks.close()
     if leftovers:
         problems.append(f"{leftovers} rooms left behind after clear")
     counters = [s["counters"] for s in stats.values() if s["side"] == "prefill"]
