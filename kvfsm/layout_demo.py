@@ -30,10 +30,13 @@ Exit status 1 on any mismatch, a room that failed or did not conclude, or a room
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -500,9 +503,22 @@ def config_from(args: argparse.Namespace) -> LayoutDemoConfig:
     )
 
 
-def main(args: argparse.Namespace) -> int:
-    import sys
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send whatever writes to stdout meanwhile (NIXL's and UCX's logs) to stderr, so that
+    stdout carries only the demo's own report (one JSON object with --json)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
+
+def main(args: argparse.Namespace) -> int:
     why = refused(args)
     if why is not None:
         print(f"kvfsm demo: {why}", file=sys.stderr)
@@ -514,7 +530,8 @@ def main(args: argparse.Namespace) -> int:
     except (LayoutError, LocalProtocolError) as exc:
         print(f"kvfsm demo: {exc}", file=sys.stderr)
         return 2
-    res = run_layout_demo(cfg)
+    with _stdout_to_stderr() if cfg.transport == "nixl" else contextlib.nullcontext():
+        res = run_layout_demo(cfg)
     if args.json:
         print(json.dumps(res, sort_keys=True))
         return 0 if res["ok"] else 1
