@@ -22,7 +22,18 @@ from msgspec import Meta
 
 from kvfsm.protocol.errors import MalformedMessage, UnsupportedVersion
 from kvfsm.protocol.pages import PageRun, Pages, run_of
-from kvfsm.protocol.wire import BINARY_MAGIC, MAX_LIST, MAX_MESSAGE, MAX_STR, MESSAGE_CLASSES, U32, U64, Codec, Message
+from kvfsm.protocol.wire import (
+    BINARY_MAGIC,
+    MAX_LIST,
+    MAX_MESSAGE,
+    MAX_STR,
+    MESSAGE_CLASSES,
+    U32,
+    U64,
+    Codec,
+    LayoutFields,
+    Message,
+)
 
 _BINARY = bytes((BINARY_MAGIC,))
 
@@ -69,12 +80,22 @@ def _check_u32_list(v: Any) -> Any:
     return tuple(v)
 
 
+def _check_layout(v: Any) -> Any:
+    if v is None:
+        return None
+    try:
+        return msgspec.convert(v, LayoutFields, strict=True)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"expected null or a layout: {e}") from None
+
+
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "u32": _check_uint(U32),
     "u64": _check_uint(U64),
     "bool": _check_bool,
     "str": _check_str,
     "list[u32]": _check_u32_list,
+    "layout?": _check_layout,
 }
 
 
@@ -98,6 +119,8 @@ class StdlibJsonCodec(Codec):
             value = getattr(msg, fname)
             if type(value) is PageRun:
                 value = {"run": [value[0], len(value)]} if value else []
+            elif type(value) is LayoutFields:
+                value = msgspec.structs.asdict(value)
             body[fname] = value
         return json.dumps(body, separators=(",", ":")).encode()
 

@@ -58,7 +58,12 @@ __all__ = [
 ]
 
 COMMAND = "kvfsm docs"
-MACHINE_PAGES = {"prefill_room": "docs/prefill_room.md", "decode_room": "docs/decode_room.md"}
+MACHINE_PAGES = {
+    "prefill_room": "docs/prefill_room.md",
+    "decode_room": "docs/decode_room.md",
+    "prefill_link": "docs/prefill_link.md",
+    "decode_link": "docs/decode_link.md",
+}
 MESSAGES_PAGE = "docs/messages.md"
 CONFIG_PAGE = "docs/configuration.md"
 # Every layer's configuration class, by import path, in the order the reference page lists them.
@@ -244,7 +249,7 @@ def render_machine(spec: ProtocolSpec, m: MachineSpec) -> str:
         "## Timers",
         "Timers are armed and cancelled by actions (`arm:`, `arm_once:`, `cancel:`, `cancel_timers`) "
         "and come back as a `TimerFired` event whose trigger is the timer's own.",
-        _timers_table(m),
+        _timers_table(m) if m.timers else "This machine arms no timers.",
         "## Triggers",
         "An event with a `local` cause that no row accepts raises `LocalProtocolError` (the room is "
         "unchanged); one with a `remote` cause fires the protocol-error rule below.",

@@ -82,7 +82,7 @@ def thaw_decode(
     state, code, timers, pages, aux, received, last_count, aux_done, undrained = t
     r = DecodeRoom(
         room, rank, kv_pages, aux_slots, sources, req, state=state, failure=code or None, timers=set(timers),
-        pages=pages, aux_slot=aux,
+        pages=pages, aux_slot=aux, tokens=len(pages),  # (the model's ranks declare no layout: a page a token)
         received={src: {cid: (start, n, last) for cid, start, n, last in got} for src, got in received},
         last_count=dict(last_count), aux_done=set(aux_done),
     )  # fmt: skip

@@ -17,7 +17,7 @@ from kvfsm.check.mapping import ModelMapping
 from kvfsm.check.plans import RANK_SENSITIVE
 from kvfsm.protocol.wire import MESSAGE_CLASSES
 
-_KEPT_FIELDS = {"required_dests", "reason", "side", "chunk_id", "is_last", "page_start", "num_pages",
+_KEPT_FIELDS = {"required_dests", "reason", "side", "chunk_id", "is_last", "token_start", "num_tokens",
                 "peer_kv_pages", "peer_aux_slots"}  # fmt: skip
 
 

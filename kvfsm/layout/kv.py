@@ -42,6 +42,7 @@ import numpy.typing as npt
 
 from kvfsm.layout.mapping import MappingError, RankMap, heads_of
 from kvfsm.protocol.errors import LocalProtocolError
+from kvfsm.protocol.wire import LayoutFields
 
 IntArray = npt.NDArray[np.int64]
 
@@ -201,6 +202,28 @@ class KVLayout:
         slot = got["page"] * self.page_size
         slot += got["off"]
         return layer, kv, slot, got["head"]
+
+    # -- the wire ------------------------------------------------------------------------------
+
+    def to_wire(self) -> LayoutFields:
+        """This layout as a registration carries it."""
+        return LayoutFields(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes, self.tp_size, self.tp_rank,
+            self.page_size, self.num_pages, self.order.value, self.mla,
+        )  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, f: LayoutFields) -> KVLayout:
+        """The layout a peer's registration describes; ``LayoutError`` (saying why) if it cannot exist."""
+        return cls(
+            f.num_layers, f.num_kv_heads, f.head_dim, f.dtype_bytes, f.tp_size, f.tp_rank, f.page_size,
+            f.num_pages, f.order, f.mla,  # type: ignore[arg-type] # (an unknown order is a LayoutError)
+        )  # fmt: skip
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over all buffers: what a registration states as its page size."""
+        return sum(self.buffers()) // self.num_pages
 
     def vectors_of(self, buffer: int) -> tuple[IntArray, IntArray, IntArray, IntArray]:
         """(layer, kv, slot, local_head) of every head vector of ``buffer``, in memory order."""

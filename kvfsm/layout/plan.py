@@ -84,11 +84,14 @@ class Plan:
         )
 
 
-def _pages(pages: npt.ArrayLike, layout: KVLayout, side: str, end_token: int) -> IntArray:
+def _pages(pages: npt.ArrayLike, layout: KVLayout, side: str, end_token: int, first_page: int) -> IntArray:
     arr = np.asarray(pages, dtype=np.int64).reshape(-1)
-    need = -(-end_token // layout.page_size)
-    if arr.size < need:
-        raise LayoutError(f"{side} page list holds {arr.size} pages; tokens up to {end_token} need {need}")
+    need = -(-end_token // layout.page_size) - first_page
+    if first_page < 0 or arr.size < need:
+        raise LayoutError(
+            f"{side} page list holds {arr.size} pages from the request's page {first_page}; "
+            f"tokens up to {end_token} need {need}"
+        )
     if arr.size and (arr.min() < 0 or arr.max() >= layout.num_pages):
         raise LayoutError(f"{side} page list has pages outside [0, {layout.num_pages})")
     return arr
@@ -148,15 +151,26 @@ class Planner:
         self._src_buffer = kv * (0 if src.kv_in_buffer else src.num_layers)
         self._shape = [src.num_kv if a == "kv" else n if a == "head" else dst.page_size for a in axes]
 
-    def plan(self, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike, first_token: int, num_tokens: int) -> Plan:
+    def plan(
+        self,
+        src_pages: npt.ArrayLike,
+        dst_pages: npt.ArrayLike,
+        first_token: int,
+        num_tokens: int,
+        *,
+        src_first_page: int = 0,
+        dst_first_page: int = 0,
+    ) -> Plan:
         """The plan that moves tokens ``[first_token, first_token + num_tokens)`` from the source
-        rank to the destination rank; empty when the pair moves no heads."""
+        rank to the destination rank; empty when the pair moves no heads. A page list starts at
+        the request's page ``*_first_page`` (0: its first): token ``t`` lives in
+        ``pages[t // page_size - first_page]``, so a chunk can pass only the pages it touches."""
         src, dst = self.src, self.dst
         if first_token < 0 or num_tokens < 0:
             raise LayoutError(f"a chunk needs first_token >= 0 and num_tokens >= 0, got {first_token}, {num_tokens}")
         end = first_token + num_tokens
-        spages = _pages(src_pages, src, "prefill", end)
-        dpages = _pages(dst_pages, dst, "decode", end)
+        spages = _pages(src_pages, src, "prefill", end, src_first_page)
+        dpages = _pages(dst_pages, dst, "decode", end, dst_first_page)
         if not self.heads or num_tokens == 0:
             return Plan(self.kind, np.zeros((0, 5), dtype=np.int64))
         # where the destination believes the chunk starts (only a mutant gets it wrong)
@@ -173,10 +187,10 @@ class Planner:
         page_idx = np.arange(p0, p1, dtype=np.int64).reshape(page_shape)
         token = page_idx * ps + self._off  # destination token of each (page, off)
         mask = np.broadcast_to((token >= dst_start) & (token < dst_start + num_tokens), shape)
-        dvec = self._dst_inpage + dpages[np.minimum(page_idx, dpages.size - 1)] * dst.stride("page")
+        dvec = self._dst_inpage + dpages[np.clip(page_idx - dst_first_page, 0, dpages.size - 1)] * dst.stride("page")
         stok = np.clip(token + shift, first_token, end - 1)
         sp, so = np.divmod(stok, src.page_size)
-        svec = self._src_kvhead + spages[sp] * src.stride("page") + so * src.stride("off")
+        svec = self._src_kvhead + spages[sp - src_first_page] * src.stride("page") + so * src.stride("off")
         dbuf = np.broadcast_to(self._dst_buffer, shape)[mask]
         sbuf = np.broadcast_to(self._src_buffer, shape)[mask]
         dvec = np.broadcast_to(dvec, shape)[mask]

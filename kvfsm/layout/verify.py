@@ -36,15 +36,16 @@ class PlanError(LocalProtocolError):
     """A plan that does not write exactly the chunk's head vectors from their sources."""
 
 
-def _page_positions(pages: npt.ArrayLike, layout: KVLayout, side: str) -> IntArray:
-    """For each page of the layout, its index in the request's page list (-1: not the request's)."""
+def _page_positions(pages: npt.ArrayLike, layout: KVLayout, side: str, first_page: int) -> IntArray:
+    """For each page of the layout, its index in the request's page list (-1: not the request's),
+    the list starting at the request's page ``first_page``."""
     arr = np.asarray(pages, dtype=np.int64).reshape(-1)
     if arr.size and (arr.min() < 0 or arr.max() >= layout.num_pages):
         raise PlanError(f"{side} page list has pages outside [0, {layout.num_pages})")
     if np.unique(arr).size != arr.size:
         raise PlanError(f"{side} page list repeats a page")
     where = np.full(layout.num_pages, -1, dtype=np.int64)
-    where[arr] = np.arange(arr.size, dtype=np.int64)
+    where[arr] = np.arange(first_page, first_page + arr.size, dtype=np.int64)
     return where
 
 
@@ -96,10 +97,15 @@ def verify_plan(
     first_token: int,
     num_tokens: int,
     mapping: RankMap,
+    *,
+    src_first_page: int = 0,
+    dst_first_page: int = 0,
 ) -> None:
     """Raise ``PlanError`` unless ``plan`` writes every (layer, token, head, K/V) that
     ``mapping.heads(src.tp_rank, dst.tp_rank)`` assigns in the chunk exactly once, each from the
-    source vector of the same identity, inside registered memory, and writes nothing else."""
+    source vector of the same identity, inside registered memory, and writes nothing else. The
+    page lists start at the request's pages ``src_first_page`` and ``dst_first_page``
+    (``Planner.plan``)."""
     reason = compatible(src, dst)
     if reason is not None:
         raise PlanError(f"no plan can join these layouts: {reason}")
@@ -108,8 +114,8 @@ def verify_plan(
         raise PlanError(f"runs must be an integer array of shape (n, 5), got {runs.dtype} {runs.shape}")
     runs = runs.astype(np.int64, copy=False)
     heads = mapping.heads(src.tp_rank, dst.tp_rank)
-    src_where = _page_positions(src_pages, src, "prefill")
-    dst_where = _page_positions(dst_pages, dst, "decode")
+    src_where = _page_positions(src_pages, src, "prefill", src_first_page)
+    dst_where = _page_positions(dst_pages, dst, "decode", dst_first_page)
     vb = dst.vector_bytes
     expected = dst.num_layers * dst.num_kv * num_tokens * len(heads)
     if runs.shape[0] == 0:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from kvfsm.protocol.pages import Pages
+from kvfsm.protocol.wire import Register, RegisterAck
 from kvfsm.records import fast_init
 
 Cause = Literal["local", "remote"]
@@ -30,6 +31,7 @@ class ChunkReady:
 class PagesAllocated:
     pages: Pages
     aux_slot: int
+    tokens: int = 0  # 0: every token of the pages
     trigger: ClassVar[str] = "pages_allocated"
     cause: ClassVar[Cause] = "local"
 
@@ -78,6 +80,8 @@ class PagesAnnounced:
     required_dests: int
     peer_kv_pages: int
     peer_aux_slots: int
+    tokens: int = 0  # 0: every token of the pages
+    peer_page_size: int = 1
     trigger: ClassVar[str] = "pages_announced"
     cause: ClassVar[Cause] = "remote"
 
@@ -107,8 +111,8 @@ class ChunkArrived:
     src: int
     chunk_id: int
     is_last: bool
-    page_start: int
-    num_pages: int
+    token_start: int
+    num_tokens: int
     trigger: ClassVar[str] = "chunk_arrived"
     cause: ClassVar[Cause] = "remote"
 
@@ -157,6 +161,22 @@ class WritesDrained:
     cause: ClassVar[Cause] = "remote"
 
 
+@fast_init
+@dataclass(frozen=True, slots=True)
+class RegistrationReceived:
+    registration: Register
+    trigger: ClassVar[str] = "registration_received"
+    cause: ClassVar[Cause] = "remote"
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class AckReceived:
+    ack: RegisterAck
+    trigger: ClassVar[str] = "ack_received"
+    cause: ClassVar[Cause] = "remote"
+
+
 Event = (
     ChunkReady
     | PagesAllocated
@@ -173,6 +193,8 @@ Event = (
     | FailureReceived
     | PeerLost
     | WritesDrained
+    | RegistrationReceived
+    | AckReceived
 )
 
 EVENT_CLASSES: dict[str, type] = {
@@ -193,6 +215,8 @@ EVENT_CLASSES: dict[str, type] = {
         FailureReceived,
         PeerLost,
         WritesDrained,
+        RegistrationReceived,
+        AckReceived,
     )
 }
 

@@ -160,15 +160,15 @@ def _one_run(room: PrefillRoom, r: range, is_last: bool, aux_slot: int | None) -
             return None  # an invalid last chunk: the general branch refuses it
     elif aux_slot is not None:
         return None  # an aux slot on a chunk that is not the last: invalid
-    if room.last_seen or first + n > room.kv_pages:
-        return None
+    if room.last_seen or first + n > room.kv_pages or room.page_size != 1:
+        return None  # (pages of several tokens: the general branch finds the chunk's tokens)
     dests = room.dests
     if len(dests) != 1:
         return None
     ((dest, ann),) = dests.items()
     start = room.cursor
     end = start + n
-    if not ann.run:
+    if not ann.run or ann.page_size != 1:
         return None  # not one segment
     if aux_slot is None:
         if end > len(ann.pages):

@@ -93,6 +93,7 @@ def announce_repeat(room: PrefillRoom, ev: Any) -> bool:
         known is not None
         and known.pages == ev.pages
         and known.aux_slot == ev.aux_slot
+        and known.tokens == (ev.tokens or len(ev.pages) * ev.peer_page_size)
         and room.required_dests == ev.required_dests
     )
 
@@ -113,15 +114,22 @@ def _announce_problem(room: PrefillRoom, ev: Any) -> str:
         return "a page is announced twice"
     if ev.aux_slot >= ev.peer_aux_slots:
         return f"aux slot {ev.aux_slot} outside {ev.peer_aux_slots} registered slots"
-    lengths = {len(a.pages) for a in room.dests.values()}
-    if lengths and len(ev.pages) not in lengths:
-        return f"{len(ev.pages)} pages announced, other decode ranks announced {sorted(lengths)}"
+    ps = ev.peer_page_size
+    if ps < 1:
+        return f"decode rank {ev.dest_rank} registered {ps} tokens per page"
+    tokens = ev.tokens or len(ev.pages) * ps
+    if -(-tokens // ps) != len(ev.pages):
+        return f"{len(ev.pages)} pages of {ps} tokens do not hold exactly {tokens} tokens"
+    known = {a.tokens for a in room.dests.values()}
+    if known and tokens not in known:
+        return f"{tokens} tokens announced, other decode ranks announced {sorted(known)}"
     return ""
 
 
 @guard
 def announce_valid(room: PrefillRoom, ev: Any) -> bool:
-    """room_pages is within the peer's registered region and consistent with earlier ones."""
+    """room_pages is within the peer's registered region, its pages hold exactly its tokens, and
+    it is consistent with earlier ones."""
     return not _announce_problem(room, ev)
 
 
@@ -134,21 +142,33 @@ def announce_completes(room: PrefillRoom, ev: Any) -> bool:
     return bool(len(room.dests) + 1 == ev.required_dests)
 
 
-def _fits(dests: Iterable[Announcement], total: int, last: bool) -> bool:
-    """``total`` pages handed over fit every announcement; exactly, if the last chunk is among them."""
+def _fits(dests: Iterable[Announcement], page_size: int, start: int, n: int, last: bool) -> bool:
+    """A chunk of ``n`` pages of ``page_size`` tokens from token ``start`` fits every announcement:
+    a chunk ends inside the room's tokens, and the last one ends at its last token (its last page
+    may be partly used; an empty last chunk starts there)."""
+    end = start + n * page_size
     for d in dests:
-        n = len(d.pages)
-        if total > n or (last and total != n):
+        t = d.tokens
+        if last:
+            if (start != t) if n == 0 else not (end - page_size < t <= end):
+                return False
+        elif end > t:
             return False
     return True
 
 
 @guard
 def held_fit_after_announce(room: PrefillRoom, ev: Any) -> bool:
-    """The held chunks fit the pages of every decode rank (exactly, if the last one is held)."""
-    dests = [*room.dests.values(), Announcement(ev.pages, ev.aux_slot)]
-    total = room.cursor + sum(len(c.pages) for c in room.held)
-    return _fits(dests, total, any(c.is_last for c in room.held))
+    """The held chunks, each in turn, fit the pages of every decode rank (the last one exactly,
+    if it is held)."""
+    dests = [*room.dests.values(), Announcement.of(ev.pages, ev.aux_slot, ev.tokens, ev.peer_page_size)]
+    start, ps = room.cursor, room.page_size
+    for c in room.held:
+        n = len(c.pages)
+        if not _fits(dests, ps, start, n, c.is_last):
+            return False
+        start += n * ps
+    return True
 
 
 @guard
@@ -186,8 +206,8 @@ EXPLAIN["chunk_ok"] = _chunk_problem
 
 @guard
 def chunk_fits(room: PrefillRoom, ev: ChunkReady) -> bool:
-    """The chunk fits every announcement; the last one ends exactly at the announced page count."""
-    return _fits(room.dests.values(), room.cursor + len(ev.pages), ev.is_last)
+    """The chunk fits every announcement; the last one ends exactly at the room's last token."""
+    return _fits(room.dests.values(), room.page_size, room.cursor, len(ev.pages), ev.is_last)
 
 
 @guard
@@ -224,7 +244,7 @@ def write_is_final(room: PrefillRoom, ev: Any) -> bool:
 
 @action("record_dest")
 def record_dest(room: PrefillRoom, ev: Any, ctx: StepContext, arg: str) -> None:
-    room.dests[ev.dest_rank] = Announcement.of(ev.pages, ev.aux_slot)
+    room.dests[ev.dest_rank] = Announcement.of(ev.pages, ev.aux_slot, ev.tokens, ev.peer_page_size)
     room.required_dests = ev.required_dests
 
 
@@ -236,25 +256,36 @@ def hold_chunk(room: PrefillRoom, ev: ChunkReady, ctx: StepContext, arg: str) ->
 
 def advance(room: PrefillRoom, chunk: ChunkReady) -> tuple[int, ChunkWritten, list[tuple[int, Pages, bool]]]:
     """Take ``chunk`` as the room's next one: (its chunk id, its notification, the same for
-    every decode rank, and per decode rank in rank order (rank, destination pages, whether both
-    page lists are one ascending run each)). The cursor, the next chunk id, the pending writes
-    (the KV; with the last chunk the aux write too) and ``last_seen`` advance."""
+    every decode rank, and per decode rank in rank order (rank, its pages that hold the chunk's
+    tokens, whether both page lists are one ascending run each of the same page size: then
+    page i goes to page i)). The chunk is the tokens from the cursor to the end of its pages,
+    or to the room's last token. The cursor, the next chunk id, the pending writes (the KV;
+    with the last chunk the aux write too) and ``last_seen`` advance."""
     chunk_id = room.next_chunk
     pages = chunk.pages
     n = len(pages)
     start = room.cursor
-    note = ChunkWritten(room.room, room.rank, chunk_id, chunk.is_last, start, n)
-    run = page_summary(pages)[3]  # one ascending run: with the dest's pages one too, one segment
+    ps = room.page_size
     dests = room.dests
+    stop = start + n * ps
+    if n and ps != 1:
+        stop = min(stop, next(iter(dests.values())).tokens)  # the last page may be partly used
+    note = ChunkWritten(room.room, room.rank, chunk_id, chunk.is_last, start, stop - start)
+    run = page_summary(pages)[3]  # one ascending run: with the dest's pages one too, one segment
     inflight = room.inflight
     writes = []
     for dest, ann in dests.items() if len(dests) == 1 else sorted(dests.items()):
-        dst = (ann.span if n >= RUN_MIN and ann.span is not None else ann.pages)[start : start + n]
-        writes.append((dest, dst, ann.run and run))
+        dp = ann.page_size
+        if dp == 1:
+            lo, hi = start, stop
+        else:  # the pages holding tokens [start, stop): the first and last may be shared with other chunks
+            lo, hi = start // dp, (-(-stop // dp) if stop > start else start // dp)
+        dst = (ann.span if hi - lo >= RUN_MIN and ann.span is not None else ann.pages)[lo:hi]
+        writes.append((dest, dst, ann.run and run and dp == ps))
         inflight.add((dest, chunk_id))
         if chunk.is_last:
             inflight.add((dest, AUX_WRITE))
-    room.cursor = start + n
+    room.cursor = stop
     room.next_chunk = chunk_id + 1
     room.last_seen = chunk.is_last
     return chunk_id, note, writes
@@ -340,21 +371,28 @@ def _prefill_notice(room: PrefillRoom, kind: str, reason: str) -> AbortNotice | 
 
 @guard
 def alloc_ok(room: DecodeRoom, ev: Any) -> bool:
-    """The engine's pages and aux slot lie in this rank's registered region, pages distinct."""
-    return _within(ev.pages, room.kv_pages) and _distinct(ev.pages) and 0 <= ev.aux_slot < room.aux_slots
+    """The engine's pages and aux slot lie in this rank's registered region, pages distinct, and
+    the pages hold exactly the room's tokens."""
+    return (
+        _within(ev.pages, room.kv_pages)
+        and _distinct(ev.pages)
+        and 0 <= ev.aux_slot < room.aux_slots
+        and (not ev.tokens or -(-ev.tokens // room.page_size) == len(ev.pages))
+    )
 
 
 EXPLAIN["alloc_ok"] = lambda room, ev: (
     ""
     if alloc_ok(room, ev)
-    else f"pages or aux slot outside the registered {room.kv_pages} pages / {room.aux_slots} slots, or a page twice"
+    else f"pages or aux slot outside the registered {room.kv_pages} pages / {room.aux_slots} slots, a page "
+    f"twice, or {len(ev.pages)} pages of {room.page_size} tokens that do not hold exactly {ev.tokens} tokens"
 )
 
 
 @guard
 def chunk_repeat(room: DecodeRoom, ev: Any) -> bool:
     got = room.received.get(ev.src, {}).get(ev.chunk_id)
-    return got == (ev.page_start, ev.num_pages, ev.is_last)
+    return got == (ev.token_start, ev.num_tokens, ev.is_last)
 
 
 def _chunk_notice_problem(room: DecodeRoom, ev: Any) -> str:
@@ -371,14 +409,14 @@ def _chunk_notice_problem(room: DecodeRoom, ev: Any) -> str:
             return f"last chunk id {ev.chunk_id} below an already received id {max(got)}"
     elif count is not None and ev.chunk_id >= count:
         return f"chunk id {ev.chunk_id} beyond the last chunk ({count} chunks)"
-    if ev.page_start + ev.num_pages > len(room.pages):
-        return f"pages [{ev.page_start}, {ev.page_start + ev.num_pages}) outside the {len(room.pages)} announced"
+    if ev.token_start + ev.num_tokens > room.tokens:
+        return f"tokens [{ev.token_start}, {ev.token_start + ev.num_tokens}) outside the room's {room.tokens}"
     return ""
 
 
 @guard
 def chunk_valid(room: DecodeRoom, ev: Any) -> bool:
-    """Known source, no conflicting duplicate, ids below the last chunk's, pages inside the announcement."""
+    """Known source, no conflicting duplicate, ids below the last chunk's, tokens inside the room's."""
     return not _chunk_notice_problem(room, ev)
 
 
@@ -407,18 +445,18 @@ def completes_room(room: DecodeRoom, ev: Any) -> bool:
 
 @guard
 def coverage_exact(room: DecodeRoom, ev: Any) -> bool:
-    """Each source's chunks, in id order, partition the announced pages exactly (no gap, no overlap)."""
+    """Each source's chunks, in id order, partition the room's tokens exactly (no gap, no overlap)."""
     for src in room.sources:
         chunks = dict(room.received.get(src, {}))
         if ev.trigger == "chunk_arrived" and ev.src == src:
-            chunks[ev.chunk_id] = (ev.page_start, ev.num_pages, ev.is_last)
+            chunks[ev.chunk_id] = (ev.token_start, ev.num_tokens, ev.is_last)
         cursor = 0
         for cid in sorted(chunks):
             start, n, _ = chunks[cid]
             if start != cursor:
                 return False
             cursor += n
-        if cursor != len(room.pages):
+        if cursor != room.tokens:
             return False
     return True
 
@@ -476,18 +514,19 @@ def aux_repeat(room: DecodeRoom, ev: Any) -> bool:
 def record_alloc(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
     room.pages = ev.pages
     room.aux_slot = ev.aux_slot
+    room.tokens = ev.tokens or len(ev.pages) * room.page_size
 
 
 @action("announce_pages")
 def announce_pages(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
     for src in room.sources:
-        msg = RoomPages(room.room, room.rank, room.pages, room.aux_slot, room.required_dests)
+        msg = RoomPages(room.room, room.rank, room.pages, room.aux_slot, room.required_dests, room.tokens)
         ctx.out.append(SendMessage(src, msg))
 
 
 @action("record_chunk")
 def record_chunk(room: DecodeRoom, ev: Any, ctx: StepContext, arg: str) -> None:
-    room.received.setdefault(ev.src, {})[ev.chunk_id] = (ev.page_start, ev.num_pages, ev.is_last)
+    room.received.setdefault(ev.src, {})[ev.chunk_id] = (ev.token_start, ev.num_tokens, ev.is_last)
     if ev.is_last:
         room.last_count[ev.src] = ev.chunk_id + 1
 

@@ -39,7 +39,8 @@ from kvfsm.protocol.actions import Action, RecordProtocolError
 from kvfsm.protocol.errors import LocalProtocolError, SpecError
 from kvfsm.protocol.events import Event
 from kvfsm.protocol.functions import ACTION_ARGS, ACTIONS, EXPLAIN, GUARDS, ActionFn, Guard, StepContext
-from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
+from kvfsm.protocol.links import accept_link  # noqa: F401 - registers the link machines' guards and actions
+from kvfsm.protocol.rooms import DecodeLink, DecodeRoom, PrefillLink, PrefillRoom
 from kvfsm.protocol.spec import MachineSpec, ProtocolSpec, RowSpec, load_spec
 from kvfsm.protocol.wire import Codec
 
@@ -260,7 +261,7 @@ class RoomMachine:
 
     # ------------------------------------------------------------------ rooms
 
-    def create(self, room: PrefillRoom | DecodeRoom, now: float) -> list[Action]:
+    def create(self, room: PrefillRoom | DecodeRoom | PrefillLink | DecodeLink, now: float) -> list[Action]:
         """Put a fresh room in the initial state; returns the on_create actions (timers)."""
         room.state = self.spec.initial
         ctx = StepContext(now, self.timeouts, source=self.spec.initial)
@@ -330,13 +331,17 @@ class RoomMachine:
 
 
 class Protocol:
-    """Both machines of the loaded spec, with the timeouts in force."""
+    """The machines of the loaded spec (a room's on each side, a link's on each side), with the
+    timeouts in force."""
 
     def __init__(self, spec: ProtocolSpec | None = None, timeouts: dict[str, dict[str, float]] | None = None) -> None:
         self.spec = spec or load_spec()
         timeouts = timeouts or {}
         self.prefill = RoomMachine(self.spec.machines["prefill_room"], self.spec.kvpoll, timeouts.get("prefill"))
         self.decode = RoomMachine(self.spec.machines["decode_room"], self.spec.kvpoll, timeouts.get("decode"))
+        # the handshake of each (prefill rank, decode rank) pair, as each side sees it
+        self.prefill_link = RoomMachine(self.spec.machines["prefill_link"], self.spec.kvpoll)
+        self.decode_link = RoomMachine(self.spec.machines["decode_link"], self.spec.kvpoll)
         self.codec = Codec(
             self.spec.version,
             {n: m.fields for n, m in self.spec.messages.items()},

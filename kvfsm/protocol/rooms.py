@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvfsm.protocol.events import ChunkReady
 from kvfsm.protocol.pages import PageRun, Pages, long_run, page_summary
+from kvfsm.protocol.wire import LayoutFields, Register, RegisterAck
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,15 +20,20 @@ class Announcement:
 
     pages: Pages
     aux_slot: int
+    tokens: int = 0  # the room's tokens, which the pages hold exactly
+    page_size: int = 1  # tokens per page at the decode rank (1 where it declared no layout)
     run: bool = field(default=False, compare=False)  # derived: pages are one ascending run
     # derived: the same pages as a PageRun when they are one long run (a long chunk's slice of it
     # costs the same for any length; short chunks slice ``pages``, a tuple, faster still)
     span: PageRun | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, pages: Pages, aux_slot: int) -> Announcement:
-        """The announcement of ``pages``, its derived fields filled in."""
-        return cls(pages, aux_slot, page_summary(pages)[3], long_run(pages))
+    def of(cls, pages: Pages, aux_slot: int, tokens: int = 0, page_size: int = 1) -> Announcement:
+        """The announcement of ``pages`` (``tokens`` 0: every token of them), its derived fields
+        filled in."""
+        return cls(
+            pages, aux_slot, tokens or len(pages) * page_size, page_size, page_summary(pages)[3], long_run(pages)
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +42,7 @@ class PrefillRoom:
     rank: int
     kv_pages: int  # size of this rank's registered KV region (local page indices must be below)
     aux_slots: int
+    page_size: int = 1  # tokens per page (1 where the rank declared no layout: a page is a token)
     state: str = ""
     failure: str | None = None
     timers: set[str] = field(default_factory=set)
@@ -45,7 +52,7 @@ class PrefillRoom:
     held: list[ChunkReady] = field(default_factory=list)  # scenario 2: chunks waiting for decode
     last_seen: bool = False  # the engine handed over the last chunk (held or posted)
     next_chunk: int = 0
-    cursor: int = 0  # pages of the room already handed over (into every dest's announcement)
+    cursor: int = 0  # tokens of the room already handed over (into every dest's announcement)
     inflight: set[tuple[int, int]] = field(default_factory=set)  # (dest_rank, chunk_id | AUX_WRITE)
     last_row: str = ""
 
@@ -58,16 +65,52 @@ class DecodeRoom:
     aux_slots: int
     sources: tuple[int, ...]  # prefill ranks this decode rank expects KV and aux from
     required_dests: int = 1  # decode ranks each of those prefill ranks writes this room to
+    page_size: int = 1  # tokens per page (1 where the rank declared no layout: a page is a token)
     state: str = ""
     failure: str | None = None
     timers: set[str] = field(default_factory=set)
     pages: Pages = ()
     aux_slot: int = -1
-    # src -> chunk_id -> (page_start, num_pages, is_last)
+    tokens: int = 0  # the room's tokens, which ``pages`` hold exactly
+    # src -> chunk_id -> (token_start, num_tokens, is_last)
     received: dict[int, dict[int, tuple[int, int, bool]]] = field(default_factory=dict)
     last_count: dict[int, int] = field(default_factory=dict)  # src -> number of chunks
     aux_done: set[int] = field(default_factory=set)
     undrained: set[int] = field(default_factory=set)  # Fenced: sources that may still be writing
+    last_row: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class PrefillLink:
+    """A prefill rank's view of one decode rank's link (prefill_link): what it judges a
+    registration against, and the registration it accepted. ``room`` is the decode rank (the
+    machines name the object they step by it)."""
+
+    room: int
+    rank: int  # this prefill rank
+    page_bytes: int
+    aux_slot_bytes: int
+    layout: LayoutFields | None  # this rank's KV layout, or None (pages of page_bytes, a page a token)
+    state: str = ""
+    failure: str | None = None
+    timers: set[str] = field(default_factory=set)
+    registration: Register | None = None  # the accepted one
+    last_row: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class DecodeLink:
+    """A decode rank's view of its link to one prefill rank (decode_link). ``room`` is the
+    prefill rank; ``failure`` says why the link is Refused or Lost."""
+
+    room: int
+    rank: int  # this decode rank
+    layout: LayoutFields | None
+    prefill_tp: int  # the prefill ranks this rank knows of: the prefill TP group
+    state: str = ""
+    failure: str | None = None
+    timers: set[str] = field(default_factory=set)
+    ack: RegisterAck | None = None  # the accepted answer (its layout: the prefill rank's)
     last_row: str = ""
 
 

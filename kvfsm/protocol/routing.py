@@ -140,13 +140,16 @@ def replies(route: Route, room: int, prefill_rank: int, reason: str) -> tuple[Me
     return tuple(out)
 
 
-def message_event(side: str, msg: Message, peer_kv_pages: int = 0, peer_aux_slots: int = 0) -> Event | None:
+def message_event(
+    side: str, msg: Message, peer_kv_pages: int = 0, peer_aux_slots: int = 0, peer_page_size: int = 1
+) -> Event | None:
     """The event a room message is to its machine on a rank of ``side``, or None for a message no
-    room of that side takes. ``peer_kv_pages``, ``peer_aux_slots``: the registered size of the
-    announcing decode rank's regions (prefill's ``room_pages``; 0 where it has not registered)."""
+    room of that side takes. ``peer_kv_pages``, ``peer_aux_slots``, ``peer_page_size``: the
+    registered size of the announcing decode rank's regions and its tokens per page (prefill's
+    ``room_pages``; 0 pages where it has not registered)."""
     if side == "decode":
         if isinstance(msg, ChunkWritten):  # the most frequent
-            return ChunkArrived(msg.src, msg.chunk_id, msg.is_last, msg.page_start, msg.num_pages)
+            return ChunkArrived(msg.src, msg.chunk_id, msg.is_last, msg.token_start, msg.num_tokens)
         if isinstance(msg, AuxWritten):
             return AuxArrived(msg.src)
         if isinstance(msg, AbortNotice):
@@ -158,7 +161,14 @@ def message_event(side: str, msg: Message, peer_kv_pages: int = 0, peer_aux_slot
         return None
     if isinstance(msg, RoomPages):
         return PagesAnnounced(
-            msg.decode_rank, msg.pages, msg.aux_slot, msg.required_dests, peer_kv_pages, peer_aux_slots
+            msg.decode_rank,
+            msg.pages,
+            msg.aux_slot,
+            msg.required_dests,
+            peer_kv_pages,
+            peer_aux_slots,
+            msg.tokens,
+            peer_page_size,
         )
     if isinstance(msg, AbortNotice):
         return AbortReceived(msg.rank, msg.side, msg.reason)

@@ -51,6 +51,25 @@ BINARY_MAGIC = 0xB1  # first byte of a binary message (a JSON message starts wit
 _MAGIC_BYTE = bytes((BINARY_MAGIC,))
 _HEADER = "<BHB"  # magic, version, binary_id
 _BINARY_FORMATS = {"u32": "I", "u64": "Q", "bool": "B"}
+_U32 = Annotated[int, Meta(ge=0, lt=U32)]
+
+
+class LayoutFields(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A rank's KV layout as a registration carries it: the fields of ``kvfsm.layout.KVLayout``
+    (``KVLayout.to_wire`` / ``KVLayout.from_wire``). Only the types are checked here; whether the
+    values make a layout, and whether two layouts can exchange KV, the handshake decides (a peer
+    whose layout is wrong is refused with the reason, never dropped unanswered)."""
+
+    num_layers: _U32
+    num_kv_heads: _U32
+    head_dim: _U32
+    dtype_bytes: _U32
+    tp_size: _U32
+    tp_rank: _U32
+    page_size: _U32
+    num_pages: _U32
+    order: Annotated[str, Meta(max_length=32)]
+    mla: bool
 
 
 @fast_init
@@ -62,6 +81,7 @@ class Register:
     page_bytes: int
     aux_slots: int
     aux_slot_bytes: int
+    layout: LayoutFields | None = None
     TYPE: ClassVar[str] = "register"
 
 
@@ -73,6 +93,7 @@ class RegisterAck:
     aux_slot_bytes: int
     accepted: bool
     reason: str
+    layout: LayoutFields | None = None
     TYPE: ClassVar[str] = "register_ack"
 
 
@@ -84,6 +105,7 @@ class RoomPages:
     pages: Pages
     aux_slot: int
     required_dests: int
+    tokens: int = 0
     TYPE: ClassVar[str] = "room_pages"
 
 
@@ -121,8 +143,8 @@ class ChunkWritten:
     src: int
     chunk_id: int
     is_last: bool
-    page_start: int
-    num_pages: int
+    token_start: int
+    num_tokens: int
     TYPE: ClassVar[str] = "chunk_written"
 
 
@@ -162,6 +184,7 @@ _FIELD_TYPES: dict[str, Any] = {
     "bool": bool,
     "str": Annotated[str, Meta(max_length=MAX_STR)],
     "list[u32]": Annotated[list[Annotated[int, Meta(ge=0, lt=U32)]], Meta(max_length=MAX_LIST)] | _Run,
+    "layout?": LayoutFields | None,
 }
 _AT_FIELD = re.compile(r" - at `\$\.(\w+)")  # where a msgspec ValidationError says it failed
 

@@ -84,6 +84,15 @@ class RuntimeConfig:
         check=positive_int,
         must="an integer > 0",
     )
+    verify_plans: bool = setting(
+        False,
+        doc="Prefill with a KV layout: prove every plan before its write is posted "
+        "(kvfsm.layout.verify_plan: every head vector of the chunk written once, from the right "
+        "source element, inside registered memory); a plan that fails fails its room.",
+        when="Debugging a new engine layout or mapping; it costs about as much as planning again.",
+        check=lambda v: type(v) is bool,
+        must="True or False",
+    )
 
     def __post_init__(self) -> None:
         validate(self)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvfsm.layout.mapping import RankMap
 from kvfsm.protocol import LocalProtocolError, Protocol, fastpath
-from kvfsm.protocol.events import ChunkArrived, PagesAllocated, PeerLost, PeersReady
-from kvfsm.protocol.rooms import DecodeRoom
+from kvfsm.protocol.events import AckReceived, ChunkArrived, PagesAllocated, PeerLost, PeersReady
+from kvfsm.protocol.rooms import DecodeLink, DecodeRoom
 from kvfsm.protocol.routing import message_event
 from kvfsm.protocol.wire import (
     AbortNotice,
@@ -34,11 +35,15 @@ class KVReceiver(RoomHandle):
         refused until every source confirmed its writes drained, died, or the fence timer expired."""
         return self.manager.state(self.room) == "Fenced"
 
-    def init(self, pages: Sequence[int] | Any, aux_slot: int) -> None:
+    def init(self, pages: Sequence[int] | Any, aux_slot: int, tokens: int | None = None) -> None:
         """Announce the allocated pages and aux slot to every source. Call once poll() says
         WaitingForInput; raises LocalProtocolError otherwise or if pages are outside the region.
-        ``pages``: a list, tuple or range of ints, or a 1-D integer numpy array or tensor."""
-        self.manager._local(self.room, PagesAllocated(as_pages(pages), as_index(aux_slot, "aux_slot")))
+        ``pages``: a list, tuple or range of ints, or a 1-D integer numpy array or tensor.
+        ``tokens``: the request's tokens, which the pages must hold exactly (with a KV layout the
+        last page may be partly used); None: every token of the pages."""
+        pages = as_pages(pages)
+        n = len(pages) * self.manager.page_size if tokens is None else as_index(tokens, "tokens")
+        self.manager._local(self.room, PagesAllocated(pages, as_index(aux_slot, "aux_slot"), n))
 
 
 class DecodeManager(Manager):
@@ -57,9 +62,24 @@ class DecodeManager(Manager):
         super().__init__(rank, endpoint, protocol, **kwargs)
         self._peer_names = dict(prefill_peers)
         self._peer_ranks = {name: rank for rank, name in self._peer_names.items()}
-        # prefill rank -> "pending" | "ready" | "refused" | "lost"
-        self._links: dict[int, str] = {r: "pending" for r in self._peer_names}
-        self._link_reason: dict[int, str] = {}
+        self._wire_layout = self.layout.to_wire() if self.layout is not None else None
+        # prefill rank -> its link (decode_link: Pending, Ready, Refused or Lost)
+        self._link_machine = self.protocol.decode_link
+        self._links: dict[int, DecodeLink] = {}
+        for r in self._peer_names:
+            link = DecodeLink(r, self.rank, self._wire_layout, len(self._peer_names))
+            self._link_machine.create(link, self.clock())
+            self._links[r] = link
+        # with a layout, who sends to this rank follows from the two TP groups
+        self.mapping: RankMap | None = None
+        if self.layout is not None:
+            lay = self.layout
+            self.mapping = RankMap(lay.num_kv_heads, len(self._peer_names), lay.tp_size, lay.mla)
+        # bytes a source writes per token (for the rooms' byte counts): a page without a layout
+        self._token_bytes: dict[int, int] = {}
+        if self.mapping is not None and self.layout is not None:
+            per_head = self.layout.num_layers * self.layout.num_kv * self.layout.vector_bytes
+            self._token_bytes = {p: per_head * len(self.mapping.heads(p, rank)) for p in self._peer_names}
         self._next_register = 0.0
 
     def connect(self) -> None:
@@ -68,23 +88,43 @@ class DecodeManager(Manager):
             self._register_pending(self.clock())
 
     def link_state(self, prefill_rank: int) -> str:
+        """The link to ``prefill_rank``: "pending", "ready", "refused" or "lost"."""
         with self._lock:
-            return self._links[prefill_rank]
+            return self._links[prefill_rank].state.lower()
 
-    def create_receiver(self, room: int, sources: tuple[int, ...] | None = None, required_dests: int = 1) -> KVReceiver:
-        """Create room ``room``: ``sources`` are the prefill ranks it receives KV from (default:
-        the same rank, equal TP); ``required_dests`` is how many decode ranks each of them feeds."""
-        sources = (self.rank,) if sources is None else tuple(as_index(s, "a source rank") for s in sources)
+    def link_failure(self, prefill_rank: int) -> str | None:
+        """Why the link to ``prefill_rank`` was refused or lost (None while pending or ready)."""
+        with self._lock:
+            return self._links[prefill_rank].failure
+
+    def create_receiver(
+        self, room: int, sources: tuple[int, ...] | None = None, required_dests: int | None = None
+    ) -> KVReceiver:
+        """Create room ``room``: ``sources`` are the prefill ranks it receives KV from,
+        ``required_dests`` how many decode ranks each of them feeds. Defaults: with a KV layout,
+        as the rank mapping between the two TP groups says (``kvfsm.layout.RankMap``: the
+        prefill ranks that send this rank heads, however many decode ranks each feeds); without
+        one, the prefill rank of the same number, feeding this rank alone (equal TP)."""
+        mapping = self.mapping
+        if sources is None:
+            sources = mapping.sources_of(self.rank) if mapping is not None else (self.rank,)
+        else:
+            sources = tuple(as_index(s, "a source rank") for s in sources)
+        if required_dests is None:
+            required_dests = len(mapping.dests_of(sources[0])) if mapping is not None and sources else 1
         required_dests = as_index(required_dests, "required_dests")
         unknown = [s for s in sources if s not in self._peer_names]
         if not sources or unknown:
             raise LocalProtocolError(f"sources {unknown or '()'} are not prefill peers of decode rank {self.rank}")
         with self._lock:
-            self._new_room(room, DecodeRoom(room, self.rank, self.kv_pages, self.aux_slots, sources, required_dests))
-            broken = [s for s in sources if self._links[s] in ("refused", "lost")]
+            decode_room = DecodeRoom(
+                room, self.rank, self.kv_pages, self.aux_slots, sources, required_dests, self.page_size
+            )
+            self._new_room(room, decode_room)
+            broken = [s for s in sources if self._links[s].state in ("Refused", "Lost")]
             if broken:
-                self._dispatch(room, PeerLost(broken[0], self._link_reason.get(broken[0], "link down")))
-            elif all(self._links[s] == "ready" for s in sources):
+                self._dispatch(room, PeerLost(broken[0], self._links[broken[0]].failure or "link down"))
+            elif all(self._links[s].state == "Ready" for s in sources):
                 self._dispatch(room, PeersReady())
         return KVReceiver(self, room)
 
@@ -92,19 +132,28 @@ class DecodeManager(Manager):
 
     def _register_pending(self, now: float) -> None:
         reg = Register(
-            self.rank, self.endpoint.name, self.kv_pages, self.page_bytes, self.aux_slots, self.aux_slot_bytes
+            self.rank,
+            self.endpoint.name,
+            self.kv_pages,
+            self.page_bytes,
+            self.aux_slots,
+            self.aux_slot_bytes,
+            self._wire_layout,
         )
-        for rank, state in self._links.items():
-            if state == "pending":
+        for rank, link in self._links.items():
+            if link.state == "Pending":
                 self._send(rank, reg)
         self._next_register = now + self.config.register_retry_s
 
+    def _pending(self) -> bool:
+        return any(link.state == "Pending" for link in self._links.values())
+
     def _tick_side(self, now: float) -> None:
-        if now >= self._next_register and any(s == "pending" for s in self._links.values()):
+        if now >= self._next_register and self._pending():
             self._register_pending(now)
 
     def _side_deadline(self) -> float | None:
-        return self._next_register if any(s == "pending" for s in self._links.values()) else None
+        return self._next_register if self._pending() else None
 
     def _peer_name(self, rank: int) -> str | None:
         return self._peer_names.get(rank)
@@ -129,7 +178,7 @@ class DecodeManager(Manager):
                         self._timers.set(msg.room, fastpath.TIMER, self.clock() + self._transfer_s)
                     else:
                         self._dispatch(msg.room, event)
-                    rt.bytes += event.num_pages * self.page_bytes
+                    rt.bytes += event.num_tokens * self._token_bytes.get(event.src, self.page_bytes)
                 elif event is not None:
                     self._dispatch(msg.room, event)
             return
@@ -148,32 +197,33 @@ class DecodeManager(Manager):
             self._count_drop("unexpected_message", f"{msg.TYPE} from {peer}")
 
     def _on_ack(self, rank: int, msg: RegisterAck) -> None:
+        """The prefill rank's answer, judged by the link (decode_link): Ready lets the rooms that
+        wait for it on; Refused fails them with the reason."""
         if msg.prefill_rank != rank:
             self._count_drop("wrong_sender", f"register_ack claiming prefill rank {msg.prefill_rank}")
             return
-        if self._links[rank] != "pending":
+        link = self._links[rank]
+        before = link.state
+        self._link_machine.step(link, AckReceived(msg), self.clock())
+        if link.state == before:
             self._count_drop("duplicate_ack", f"register_ack from prefill rank {rank}")
             return
-        if not msg.accepted:
-            self._links[rank] = "refused"
-            self._link_reason[rank] = f"registration refused by prefill rank {rank}: {msg.reason}"
-            log.warning("decode%d: %s", self.rank, self._link_reason[rank])
-            self._fail_rooms_of(rank, self._link_reason[rank])
+        if link.state != "Ready":
+            log.warning("decode%d: %s", self.rank, link.failure)
+            self._fail_rooms_of(rank, link.failure or "link refused")
             return
-        self._links[rank] = "ready"
         self.telemetry.count("links_ready")
         for rid, rt in list(self._rooms.items()):
             room = rt.room
             if room.state == "Bootstrapping" and rank in room.sources:
-                if all(self._links[s] == "ready" for s in room.sources):
+                if all(self._links[s].state == "Ready" for s in room.sources):
                     self._dispatch(rid, PeersReady())
 
     def _on_peer_lost(self, peer: str, reason: str) -> None:
         rank = self._peer_ranks.get(peer)
         if rank is None:
             return
-        self._links[rank] = "lost"
-        self._link_reason[rank] = reason
+        self._link_machine.step(self._links[rank], PeerLost(rank, reason), self.clock())
         self._fail_rooms_of(rank, reason)
 
     def _fail_rooms_of(self, rank: int, reason: str) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvfsm.layout.kv import KVLayout
 from kvfsm.protocol import (
     Action,
     CancelTimer,
@@ -54,7 +55,7 @@ from kvfsm.runtime.config import RuntimeConfig
 from kvfsm.runtime.telemetry import Telemetry
 from kvfsm.runtime.timers import TimerWheel
 from kvfsm.runtime.workers import WorkerPool
-from kvfsm.transport.base import Endpoint, Inbound, region_nbytes
+from kvfsm.transport.base import Endpoint, Inbound, as_regions, region_nbytes
 
 log = logging.getLogger("kvfsm.runtime")
 _STATE_SECONDS: dict[str, str] = {}  # state -> its histogram name ("state_seconds.<state>"), built once
@@ -118,8 +119,9 @@ class Manager:
         *,
         kv: Any,
         aux: Any,
-        page_bytes: int,
+        page_bytes: int = 0,
         aux_slot_bytes: int,
+        layout: KVLayout | None = None,
         config: RuntimeConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         routing: Routing = ROUTING,
@@ -130,6 +132,7 @@ class Manager:
         # the routing decisions' variant: ROUTING, or a checker's routing mutant (kvfsm replay)
         self.routing = routing
         protocol = protocol or Protocol()
+        self.protocol = protocol
         self.machine: RoomMachine = protocol.machine_for(self.side, self.config.timeouts)
         # the rows taken once per chunk or write, applied directly (kvfsm.protocol.fastpath)
         # where this machine's rows are exactly those; off, every event takes the generic step
@@ -141,6 +144,18 @@ class Manager:
         self.kv = kv  # a host buffer or a tensor (CPU or GPU): the transport registers it
         self.aux = aux
         kv_bytes, aux_bytes = region_nbytes(kv), region_nbytes(aux)
+        # with a layout the engine's KV is its buffers as the layout lays them out (``kv``: a list
+        # of them in buffer-id order), a page holds page_size tokens, and writes are planned
+        self.layout = layout
+        self.page_size = 1
+        if layout is not None:
+            sizes = tuple(r.nbytes for r in as_regions(kv))
+            if sizes != layout.buffers():
+                raise LocalProtocolError(
+                    f"the layout has {layout.num_buffers} KV buffers of {layout.buffers()[0]} bytes; "
+                    f"kv has {len(sizes)} of {sorted(set(sizes))} bytes"
+                )
+            page_bytes, self.page_size = layout.page_bytes, layout.page_size
         if page_bytes <= 0 or kv_bytes % page_bytes:
             raise LocalProtocolError(f"KV region of {kv_bytes} bytes is not a whole number of {page_bytes}-byte pages")
         if aux_slot_bytes <= 0 or aux_bytes % aux_slot_bytes:
@@ -167,7 +182,8 @@ class Manager:
         self._failures: dict[int, str] = {}
         # Only prefill posts writes (push mode); decode needs no transfer workers.
         self.pool = WorkerPool(self.config.workers if self.side == "prefill" else 0, name=f"{self.side}{rank}")
-        endpoint.register_memory(self.kv, self.aux, kv_block=page_bytes, aux_block=aux_slot_bytes)
+        # (a layout's pages are spread over its buffers: no page-sized blocks to prepare)
+        endpoint.register_memory(self.kv, self.aux, kv_block=0 if layout else page_bytes, aux_block=aux_slot_bytes)
         endpoint.set_handler(self._on_inbound)
         batch = getattr(endpoint, "set_batch_handler", None)
         if batch is not None:

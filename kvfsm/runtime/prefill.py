@@ -7,10 +7,20 @@ from collections.abc import Iterable, Sequence
 from operator import attrgetter
 from typing import Any
 
+from kvfsm.layout import KVLayout, Planner, RankMap, verify_plan
 from kvfsm.protocol import LocalProtocolError, PostAuxWrite, PostWrite, Protocol, fastpath
-from kvfsm.protocol.events import AUX_WRITE, Abort, ChunkReady, PeerLost, WriteCompleted, WriteFailed
-from kvfsm.protocol.pages import Pages
-from kvfsm.protocol.rooms import PrefillRoom
+from kvfsm.protocol.actions import SendMessage
+from kvfsm.protocol.events import (
+    AUX_WRITE,
+    Abort,
+    ChunkReady,
+    PeerLost,
+    RegistrationReceived,
+    WriteCompleted,
+    WriteFailed,
+)
+from kvfsm.protocol.pages import Pages, run_of
+from kvfsm.protocol.rooms import PrefillLink, PrefillRoom
 from kvfsm.protocol.routing import (
     DISPATCH,
     EXPIRED,
@@ -21,7 +31,7 @@ from kvfsm.protocol.routing import (
     route_completion,
     route_message,
 )
-from kvfsm.protocol.wire import AbortNotice, Message, Register, RegisterAck, RoomPages
+from kvfsm.protocol.wire import AbortNotice, ChunkWritten, Message, Register, RegisterAck, RoomPages
 from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, log
 from kvfsm.runtime.pages import as_index, as_pages, coalesce
 from kvfsm.transport.base import Inbound, Segment, SegmentArray, Write, write_many
@@ -56,7 +66,11 @@ class PrefillManager(Manager):
 
     def __init__(self, rank: int, endpoint: Any, protocol: Protocol | None = None, **kwargs: Any) -> None:
         super().__init__(rank, endpoint, protocol, **kwargs)
-        self._registrations: dict[int, Register] = {}
+        self._link_machine = self.protocol.prefill_link
+        self._wire_layout = self.layout.to_wire() if self.layout is not None else None
+        self._links: dict[int, PrefillLink] = {}  # decode rank -> its link (prefill_link)
+        self._registrations: dict[int, Register] = {}  # decode rank -> its accepted registration
+        self._planners: dict[int, Planner] = {}  # decode rank -> plans from our layout into its
         self._peer_names: dict[int, str] = {}
         self._peer_ranks: dict[str, int] = {}
         self._early_order: deque[tuple[float, int]] = deque()
@@ -70,7 +84,7 @@ class PrefillManager(Manager):
     def create_sender(self, room: int) -> KVSender:
         """Create room ``room`` on this rank. Messages that arrived for it earlier are applied now."""
         with self._lock:
-            decision = self._new_room(room, PrefillRoom(room, self.rank, self.kv_pages, self.aux_slots))
+            decision = self._new_room(room, PrefillRoom(room, self.rank, self.kv_pages, self.aux_slots, self.page_size))
             if decision.abort:
                 # decode's announcement expired here and decode was told: the room cannot run
                 self._dispatch(room, Abort(self._failures.pop(room, "announcement expired")))
@@ -156,12 +170,16 @@ class PrefillManager(Manager):
         try:
             page = self.page_bytes
             tag = (rid, dest, chunk_id)
-            try:
-                note = self._pack_note(rid, rt.room.rank, chunk_id, aux_slot is not None, start, n)
-            except Exception as exc:  # noqa: BLE001 - as _post_kv: the write fails, not the step
-                self._fail_write(tag, exc)
+            if self.layout is not None:  # (a layout of one token per page: the run is planned)
+                written = ChunkWritten(rid, rt.room.rank, chunk_id, aux_slot is not None, start, n)
+                self._post_kv(rt, dest, chunk_id, run_of(first, n), run_of(dst_first, n), written, True)
             else:
-                self._post_run(rt, tag, "kv", first * page, dst_first * page, n * page, note)
+                try:
+                    note = self._pack_note(rid, rt.room.rank, chunk_id, aux_slot is not None, start, n)
+                except Exception as exc:  # noqa: BLE001 - as _post_kv: the write fails, not the step
+                    self._fail_write(tag, exc)
+                else:
+                    self._post_run(rt, tag, "kv", first * page, dst_first * page, n * page, note)
             if aux_slot is not None:
                 tag = (rid, dest, AUX_WRITE)
                 size = self.aux_slot_bytes
@@ -255,7 +273,11 @@ class PrefillManager(Manager):
             if not self._claims(peer, msg.decode_rank, msg):
                 return
             reg = self._registrations.get(msg.decode_rank)
-            self._room_event(peer, msg.decode_rank, msg, reg.kv_pages if reg else 0, reg.aux_slots if reg else 0)
+            if reg is None:
+                self._room_event(peer, msg.decode_rank, msg)
+            else:
+                page_size = reg.layout.page_size if reg.layout is not None else 1
+                self._room_event(peer, msg.decode_rank, msg, reg.kv_pages, reg.aux_slots, page_size)
         elif isinstance(msg, AbortNotice):
             if msg.side != "decode" or not self._claims(peer, msg.rank, msg):
                 return
@@ -271,37 +293,58 @@ class PrefillManager(Manager):
         return True
 
     def _on_register(self, peer: str, msg: Register) -> None:
-        ok = msg.page_bytes == self.page_bytes and msg.aux_slot_bytes == self.aux_slot_bytes
-        reason = (
-            ""
-            if ok
-            else (
-                f"page/aux size {msg.page_bytes}/{msg.aux_slot_bytes} bytes != prefill's "
-                f"{self.page_bytes}/{self.aux_slot_bytes}"
-            )
-        )
-        bound = self._peer_names.get(msg.decode_rank)
+        """A decode rank's registration, judged by its link (prefill_link: declared rows decide
+        whether the pair can exchange KV, and answer). A registration that claims a rank another
+        peer holds is refused here: the link belongs to that peer."""
+        rank = msg.decode_rank
+        bound = self._peer_names.get(rank)
         if bound is not None and bound != peer:
-            ok, reason = False, f"decode rank {msg.decode_rank} is already registered from {bound}"
-        if ok:
-            self._registrations[msg.decode_rank] = msg
-            self._peer_names[msg.decode_rank] = peer
-            self._peer_ranks[peer] = msg.decode_rank
-            self.telemetry.count("registrations")
-        else:
+            reason = f"decode rank {rank} is already registered from {bound}"
             self.telemetry.count("registrations_refused")
             log.warning("prefill%d: refused registration from %s: %s", self.rank, peer, reason)
-        ack = RegisterAck(self.rank, self.page_bytes, self.aux_slot_bytes, ok, reason)
-        self.telemetry.count("messages_out")
-        self.endpoint.send(peer, self.codec.encode(ack))
+            ack = RegisterAck(self.rank, self.page_bytes, self.aux_slot_bytes, False, reason, self._wire_layout)
+            self.endpoint.send(peer, self.codec.encode(ack))
+            return
+        link = self._links.get(rank)
+        if link is None:
+            link = PrefillLink(rank, self.rank, self.page_bytes, self.aux_slot_bytes, self._wire_layout)
+            self._link_machine.create(link, self.clock())
+            self._links[rank] = link
+        actions = self._link_machine.step(link, RegistrationReceived(msg), self.clock())
+        if link.state == "Ready":
+            if self._registrations.get(rank) != msg:
+                self._registrations[rank] = msg
+                if self.layout is not None and msg.layout is not None:
+                    theirs = KVLayout.from_wire(msg.layout)  # (the link's guard proved it can)
+                    mapping = RankMap(self.layout.num_kv_heads, self.layout.tp_size, theirs.tp_size, self.layout.mla)
+                    self._planners[rank] = Planner(self.layout, theirs, mapping)
+                self.telemetry.count("registrations")
+            self._peer_names[rank] = peer
+            self._peer_ranks[peer] = rank
+        else:
+            self._registrations.pop(rank, None)
+            self._planners.pop(rank, None)
+            self.telemetry.count("registrations_refused")
+            log.warning("prefill%d: refused registration from %s: %s", self.rank, peer, link.failure)
+        for a in actions:
+            if isinstance(a, SendMessage):
+                self.telemetry.count("messages_out")
+                self.endpoint.send(peer, self.codec.encode(a.message))
 
     def _room_event(
-        self, peer: str, sender: int, msg: RoomPages | AbortNotice, kv_pages: int = 0, aux_slots: int = 0
+        self,
+        peer: str,
+        sender: int,
+        msg: RoomPages | AbortNotice,
+        kv_pages: int = 0,
+        aux_slots: int = 0,
+        page_size: int = 1,
     ) -> None:
         """A room message from decode rank ``sender``, routed as ``routing.route_message`` decides
-        (``kv_pages``, ``aux_slots``: the sender's registered regions, for an announcement)."""
+        (``kv_pages``, ``aux_slots``, ``page_size``: the sender's registered regions and tokens
+        per page, for an announcement)."""
         rid = msg.room
-        event = message_event("prefill", msg, kv_pages, aux_slots)
+        event = message_event("prefill", msg, kv_pages, aux_slots, page_size)
         assert event is not None  # (a room_pages or abort message)
         full = len(self._early) >= self.config.max_early_rooms
         route = route_message(self._known(rid), "prefill", msg.TYPE, stash_full=full)
@@ -431,6 +474,8 @@ class PrefillManager(Manager):
         if rank is None:
             return
         self._registrations.pop(rank, None)
+        self._planners.pop(rank, None)
+        self._links.pop(rank, None)
         self._peer_names.pop(rank, None)
         for rid, rt in list(self._rooms.items()):
             if rank in rt.room.dests:
@@ -458,12 +503,32 @@ class PrefillManager(Manager):
         """Post one KV write (a PostWrite's fields: the fast rows P11 and P10 post without building one)."""
         tag = (rt.room.room, dest, chunk_id)
         try:
-            segments = coalesce(src, dst, self.page_bytes, one_run=contiguous)
+            if self.layout is None:
+                segments: Sequence[Segment] = coalesce(src, dst, self.page_bytes, one_run=contiguous)
+            else:
+                segments = self._planned(dest, src, dst, notification)  # type: ignore[arg-type] # (a chunk_written)
             note = self.codec.encode(notification)
         except Exception as exc:  # noqa: BLE001 - the write fails, not the step (the room has moved on)
             self._fail_write(tag, exc)
             return
         self._hand(rt, tag, "kv", segments, note)
+
+    def _planned(self, dest: int, src: Pages, dst: Pages, note: ChunkWritten) -> SegmentArray:
+        """The write of a chunk's tokens (``note``) from our pages ``src`` into decode rank
+        ``dest``'s pages ``dst`` (each list starting at the page that holds the chunk's first
+        token), planned from the two layouts: byte runs in each side's virtual KV region."""
+        planner = self._planners.get(dest)
+        if planner is None:
+            raise LocalProtocolError(f"decode rank {dest} registered no KV layout to plan a write into")
+        first, n = note.token_start, note.num_tokens
+        src_first, dst_first = first // planner.src.page_size, first // planner.dst.page_size
+        plan = planner.plan(src, dst, first, n, src_first_page=src_first, dst_first_page=dst_first)
+        if self.config.verify_plans:
+            verify_plan(
+                plan, planner.src, planner.dst, src, dst, first, n, planner.mapping,
+                src_first_page=src_first, dst_first_page=dst_first,
+            )  # fmt: skip
+        return SegmentArray(*plan.segments(planner.src, planner.dst))
 
     def _hand(self, rt: RoomRuntime, tag: WriteTag, region: str, segments: Sequence[Segment], note: bytes) -> None:
         """Hand a prepared write to the transport: to the batch of a send_many(), else to the

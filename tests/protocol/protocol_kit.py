@@ -74,7 +74,13 @@ DECODE_AUX = 2
 
 # trigger -> cause, for every trigger of either machine (timer triggers are local)
 TIMER_OF_TRIGGER = {t.trigger: t.name for m in SPEC.machines.values() for t in m.timers.values()}
-CAUSE = {e.key: e.cause for e in SPEC.events.values() if e.key != "timeout"} | dict.fromkeys(TIMER_OF_TRIGGER, "local")
+# (the link machines' own triggers are not room events: tests/protocol/test_links.py covers them)
+_ROOM_TRIGGERS = {t for name in ("prefill_room", "decode_room") for t in SPEC.machines[name].triggers}
+CAUSE = {
+    e.key: e.cause
+    for e in SPEC.events.values()
+    if e.key != "timeout" and (e.key in _ROOM_TRIGGERS or e.key not in {"registration_received", "ack_received"})
+} | dict.fromkeys(TIMER_OF_TRIGGER, "local")
 ALL_TRIGGERS = tuple(sorted(CAUSE))
 FAILED = SPEC.kvpoll["Failed"]  # KVPoll code of Failed and of Fenced (failed, pages still fenced)
 ANNOUNCED = ("WaitingForInput.Announced", "Transferring")  # decode states whose pages a source may write
@@ -128,8 +134,8 @@ def ready(pages: Iterable[int], *, last: bool = False, aux: int = 0) -> ChunkRea
     return ChunkReady(tuple(pages), last, aux if last else None)
 
 
-def arrived(chunk_id: int, page_start: int, num_pages: int, *, src: int = 0, last: bool = False) -> ChunkArrived:
-    return ChunkArrived(src, chunk_id, last, page_start, num_pages)
+def arrived(chunk_id: int, token_start: int, num_tokens: int, *, src: int = 0, last: bool = False) -> ChunkArrived:
+    return ChunkArrived(src, chunk_id, last, token_start, num_tokens)
 
 
 def allocated(pages: Sequence[int] = DECODE_PAGES, aux: int = DECODE_AUX) -> PagesAllocated:
@@ -282,8 +288,8 @@ def check_writes(room: PrefillRoom, actions: list[Action]) -> None:
             ann = room.dests[a.dest_rank]
             n = a.notification
             assert (n.room, n.src, n.chunk_id) == (room.room, room.rank, a.chunk_id)
-            assert len(a.src_pages) == len(a.dst_pages) == n.num_pages
-            assert a.dst_pages == ann.pages[n.page_start : n.page_start + n.num_pages]
+            assert len(a.src_pages) == len(a.dst_pages) == n.num_tokens
+            assert a.dst_pages == ann.pages[n.token_start : n.token_start + n.num_tokens]
             assert all(0 <= p < room.kv_pages for p in a.src_pages)
             assert (a.dest_rank, a.chunk_id) in room.inflight
         elif isinstance(a, PostAuxWrite):
@@ -717,7 +723,7 @@ def notified(write: PostWrite | PostAuxWrite) -> Event:
     """The decode room's event for a write's notification, after a trip through the codec."""
     note = CODEC.decode(CODEC.encode(write.notification))
     if isinstance(note, ChunkWritten):
-        return ChunkArrived(note.src, note.chunk_id, note.is_last, note.page_start, note.num_pages)
+        return ChunkArrived(note.src, note.chunk_id, note.is_last, note.token_start, note.num_tokens)
     assert isinstance(note, AuxWritten)
     return AuxArrived(note.src)
 

@@ -134,7 +134,7 @@ def test_the_fast_row_equals_the_generic_step(kind, state, trigger):
     seen: Counter[str] = Counter()
     want = EXPECTED.get((kind, state, trigger), set())
 
-    @settings(max_examples=150 if want else 25, deadline=None, database=None,
+    @settings(max_examples=150 if want else 25, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
     @given(data=st.data())
     def prove(data):

@@ -294,7 +294,7 @@ FENCED = (*ANNOUNCED, Abort("user"))  # D22: pages announced, then the engine ab
 def _d2_announces_to_every_source(room: Any, actions: list[Any]) -> None:
     sent = messages(actions, RoomPages)
     assert [r for r, _ in sent] == [0, 1]
-    assert all(m == RoomPages(room.room, room.rank, DECODE_PAGES, DECODE_AUX, 2) for _, m in sent)
+    assert all(m == RoomPages(room.room, room.rank, DECODE_PAGES, DECODE_AUX, 2, len(DECODE_PAGES)) for _, m in sent)
     assert CancelTimer("bootstrap") in actions and SetTimer("transfer", 2.0 + 300.0) in actions
 
 
@@ -443,7 +443,7 @@ def test_last_chunk_posts_a_write_and_the_aux_write_to_every_decode_rank():  # P
     aux = [(w.dest_rank, w.src_slot, w.dst_slot) for w in of_type(actions, PostAuxWrite)]
     assert aux == [(0, 6, 4), (3, 6, 5)]
     notes = [w.notification for w in of_type(actions, PostWrite)]
-    assert [(n.chunk_id, n.is_last, n.page_start, n.num_pages) for n in notes] == [
+    assert [(n.chunk_id, n.is_last, n.token_start, n.num_tokens) for n in notes] == [
         (0, False, 0, 2), (0, False, 0, 2), (1, True, 2, 1), (1, True, 2, 1)
     ]  # fmt: skip
     assert room.inflight == {(0, 0), (3, 0), (0, 1), (3, 1), (0, AUX_WRITE), (3, AUX_WRITE)}
@@ -453,7 +453,7 @@ def test_decode_sends_room_pages_to_every_source():  # D2
     room = new_room("decode", rank=2, sources=(4, 1, 6))
     run("decode", room, [PeersReady()])
     actions = checked_step("decode", room, allocated([5, 6], 3), 2.0)
-    assert messages(actions, RoomPages) == [(src, RoomPages(room.room, 2, (5, 6), 3, 1)) for src in (4, 1, 6)]
+    assert messages(actions, RoomPages) == [(src, RoomPages(room.room, 2, (5, 6), 3, 1, 2)) for src in (4, 1, 6)]
     assert (room.pages, room.aux_slot) == ((5, 6), 3)
 
 

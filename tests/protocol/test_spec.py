@@ -20,8 +20,8 @@ MACHINE_NAMES = ("prefill_room", "decode_room")
 def test_spec_loads_with_both_room_machines():
     assert SPEC.name == "kvfsm-push"
     assert SPEC.mode == "push"
-    assert SPEC.version == 3  # 2: notifications in a binary layout; 3: page runs as {"run": [first, count]}
-    assert set(SPEC.machines) == set(MACHINE_NAMES)
+    assert SPEC.version == 4  # 3: page runs as {"run": [first, count]}; 4: layouts, chunks in tokens
+    assert set(SPEC.machines) == {*MACHINE_NAMES, "prefill_link", "decode_link"}
     assert SPEC.machines["prefill_room"].initial == "Bootstrapping.Waiting"
     assert SPEC.machines["decode_room"].initial == "Bootstrapping"
     for m in SPEC.machines.values():

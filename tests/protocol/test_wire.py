@@ -32,6 +32,7 @@ from kvfsm.protocol.wire import (
     ChunkWritten,
     Codec,
     Drained,
+    LayoutFields,
     RoomPages,
 )
 
@@ -46,9 +47,18 @@ FIELD = {
     "list[u32]": st.lists(st.integers(0, 2**32 - 1), max_size=20).map(tuple)
     # a run held as a PageRun (the engine's pages, mostly): it travels as {"run": [first, count]}
     | st.integers(0, 2**32 - 1).flatmap(lambda f: st.integers(0, min(5000, 2**32 - f)).map(lambda n: PageRun(f, n))),
+    "layout?": st.none()
+    | st.builds(
+        LayoutFields,
+        *[st.integers(0, 2**32 - 1)] * 8,
+        st.sampled_from(["sglang", "vllm_nhd", "vllm_hnd", "vllm_cpu", "other"]),
+        st.booleans(),
+    ),
 }
+_LAYOUT = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 8, "dtype_bytes": 2, "tp_size": 2, "tp_rank": 1,
+           "page_size": 16, "num_pages": 8, "order": "sglang", "mla": False}  # fmt: skip
 # One valid value of each field type, to build messages by hand
-SAMPLE = {"u32": 3, "u64": 2**40, "bool": True, "str": "ok", "list[u32]": [1, 2, 3]}
+SAMPLE = {"u32": 3, "u64": 2**40, "bool": True, "str": "ok", "list[u32]": [1, 2, 3], "layout?": _LAYOUT}
 
 
 def message_of(name: str) -> st.SearchStrategy:
@@ -157,6 +167,8 @@ BAD_VALUES = {
     "list[u32]": ["1,2", 3, None, {"0": 1}, [True], [-1], [2**32], [1.0], [[1]], ["1"]]
     + [{"run": r} for r in ([1], [1, 0], [-1, 5], [2**32 - 1, 2], [0, MAX_LIST + 1], [True, 3], [1.0, 2], "1,2")]
     + [{"run": [1, 2], "x": 1}, {"runs": [1, 2]}, {}],
+    "layout?": [1, "sglang", [], {}, _LAYOUT | {"extra": 1}, _LAYOUT | {"page_size": -1}, _LAYOUT | {"mla": 1}]
+    + [{k: v for k, v in _LAYOUT.items() if k != "order"}, _LAYOUT | {"order": 3}, _LAYOUT | {"num_pages": 2**32}],
 }
 BAD_CASES = [
     pytest.param(name, field, value, id=f"{name}.{field}={str(value)[:12]}")
@@ -187,7 +199,7 @@ def test_a_page_run_travels_as_its_first_page_and_length_and_comes_back_as_one()
     assert type(back.pages) is PageRun and back.pages == tuple(range(1000, 9192))
     # the array form of the same pages decodes to an equal message
     assert CODEC.decode(raw(envelope("room_pages", room=7, decode_rank=1, pages=list(pages), aux_slot=3,
-                                     required_dests=2))) == back  # fmt: skip
+                                     required_dests=2, tokens=0))) == back  # fmt: skip
 
 
 @pytest.mark.parametrize(("first", "count"), [(0, 1), (5, RUN_MIN - 1), (2**32 - RUN_MIN, RUN_MIN), (0, MAX_LIST)])
@@ -261,6 +273,19 @@ def _valid(ftype: str, value) -> bool:
                 return False
             return 1 <= run[1] <= MAX_LIST and run[0] + run[1] <= 2**32
         return isinstance(value, list) and len(value) <= MAX_LIST and all(uint(x, 32) for x in value)
+    if ftype == "layout?":
+        if value is None:
+            return True
+        if not isinstance(value, dict) or set(value) != set(_LAYOUT):
+            return False
+        return all(
+            (isinstance(v, str) and len(v) <= 32)
+            if k == "order"
+            else isinstance(v, bool)
+            if k == "mla"
+            else uint(v, 32)
+            for k, v in value.items()
+        )
     raise AssertionError(ftype)
 
 
@@ -324,7 +349,7 @@ def test_every_message_type_round_trips(data, name):
 
 
 def _chunk_written() -> bytes:
-    return BINARY.encode(ChunkWritten(room=7, src=1, chunk_id=2, is_last=True, page_start=8, num_pages=4))
+    return BINARY.encode(ChunkWritten(room=7, src=1, chunk_id=2, is_last=True, token_start=8, num_tokens=4))
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ def test_defaults_are_valid_and_every_field_is_documented() -> None:
     rows = reference(RuntimeConfig)
     assert [r.name for r in rows] == [
         "timeouts", "workers", "batch_bytes", "batch_segments", "register_retry_s",
-        "tombstone_ttl_s", "early_ttl_s", "max_early_rooms",
+        "tombstone_ttl_s", "early_ttl_s", "max_early_rooms", "verify_plans",
     ]  # fmt: skip
     assert all(r.doc and r.must for r in rows)
 

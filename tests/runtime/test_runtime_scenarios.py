@@ -458,7 +458,10 @@ def test_registration_refused_on_page_size_mismatch_fails_decode_rooms_fast() ->
     c.settle()
     assert d.link_state(0) == "refused"
     recv = d.create_receiver(1, sources=(0,))
-    assert recv.poll() == KVPoll.Failed and "page/aux size" in recv.failure_exception().reason
+    assert (
+        recv.poll() == KVPoll.Failed
+        and "page of 128 bytes at decode, 256 at prefill" in recv.failure_exception().reason
+    )
     assert isinstance(c.fabric, Fabric)
 
 
