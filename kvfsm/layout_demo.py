@@ -74,6 +74,7 @@ class LayoutDemoConfig:
     transport: str = "loopback"  # loopback | nixl
     workers: int = 2
     transfer_timeout: float = 5.0
+    verify_plans: bool = False  # prefill proves every plan (verify_plan) before posting its write
     ucx_params: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -110,6 +111,7 @@ class LayoutDemoConfig:
             timeouts={"transfer": t, "hold": 2 * t, "bootstrap": 4 * t, "input": 4 * t, "fence": 8 * t},
             register_retry_s=0.05 if self.transport == "loopback" else 0.2,
             early_ttl_s=4 * t,
+            verify_plans=self.verify_plans,
         )
 
 
@@ -458,6 +460,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head-dim", type=int, default=None, help=f"{d.head_dim}; {_MLA_HEAD_DIM} with --mla")
     g.add_argument("--tokens-min", type=int, default=d.tokens_min, help="shortest prompt")
     g.add_argument("--tokens-max", type=int, default=d.tokens_max, help="longest prompt")
+    g.add_argument("--verify-plans", action="store_true", help="prefill proves every plan before its write")
 
 
 def requested(args: argparse.Namespace) -> bool:
@@ -499,6 +502,7 @@ def config_from(args: argparse.Namespace) -> LayoutDemoConfig:
         transport=args.transport,
         workers=args.workers,
         transfer_timeout=args.transfer_timeout,
+        verify_plans=args.verify_plans,
         ucx_params=dict(kv.split("=", 1) for kv in args.ucx),
     )
 

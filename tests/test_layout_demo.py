@@ -30,6 +30,7 @@ def run(**kw: Any) -> dict[str, Any]:
     assert res["aux_bytes_checked"] == cfg.rooms * cfg.decode_tp * cfg.aux_bytes
     dpr = res["descriptors_per_room"]
     assert 0 < dpr["min"] <= dpr["mean"] <= dpr["max"]
+    assert dpr["mean"] * cfg.rooms == pytest.approx(res["descriptors"])  # per room as the counters say
     return res
 
 
@@ -42,6 +43,10 @@ def test_loopback_moves_every_element_between_tp_groups_and_page_sizes(tp: int, 
     res = run(prefill_tp=tp, decode_tp=td, prefill_page=ps, decode_page=pd)
     assert res["mapping"]["sending_prefill_ranks"] == list(range(tp))
     assert res["mapping"]["sources_per_decode_rank"] == [1 if tp < td else tp // td] * td
+    # SGLang's order between different TP sizes: one run per (layer, K/V, token, pair), no two
+    # tokens adjacent on both sides; and each pair's aux write, once per room
+    pairs = len(res["mapping"]["pairs"])
+    assert res["descriptors"] == 4 * 2 * res["tokens"] * pairs + 6 * pairs
 
 
 def test_loopback_mla_every_decode_rank_gets_the_latent() -> None:
@@ -56,7 +61,8 @@ def test_loopback_mla_a_prefill_rank_that_sends_nothing_takes_no_part() -> None:
 
 @pytest.mark.parametrize("order", ["vllm_hnd", "vllm_cpu"])
 def test_loopback_vllm_orders_with_replicated_heads(order: str) -> None:
-    run(prefill_tp=2, decode_tp=4, prefill_page=32, decode_page=16, kv_order=order, kv_heads=2, order="prefill-first")
+    run(prefill_tp=2, decode_tp=4, prefill_page=32, decode_page=16, kv_order=order, kv_heads=2, order="prefill-first",
+        verify_plans=True)  # fmt: skip
 
 
 def test_the_demo_catches_a_prefill_rank_that_holds_the_wrong_values(monkeypatch: pytest.MonkeyPatch) -> None:
