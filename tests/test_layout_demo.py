@@ -78,6 +78,23 @@ def test_the_demo_catches_a_prefill_rank_that_holds_the_wrong_values(monkeypatch
     assert any("sglang rank 2/4: layer 0 K token 0 head 4 dim" in p for p in res["problems"]), res["problems"]
 
 
+def test_the_demo_catches_a_byte_left_outside_every_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    fill = EngineCache.fill
+
+    def one_token_too_many(self: EngineCache, pages: Any, num_tokens: int, seed: int) -> None:
+        # prompts end inside a page: the extra token lands in the request's last page, never erased
+        fill(self, pages, num_tokens + (self.layout.page_size == 16), seed)
+
+    monkeypatch.setattr(EngineCache, "fill", one_token_too_many)
+    res = run_layout_demo(LayoutDemoConfig(rooms=2, prefill_page=16, decode_page=64, tokens_min=50, tokens_max=90))
+    assert not res["ok"] and res["succeeded"] == 2 and res["elements_checked"] > 0
+    assert [p.split(":")[0] for p in res["problems"]] == [
+        "after wave 0, prefill rank 0",
+        "after wave 0, prefill rank 1",
+    ]
+    assert "is outside every request" in res["problems"][0]
+
+
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL: {NIXL_MISSING}")
 @pytest.mark.parametrize(
     ("tp", "td", "ps", "pd"),
