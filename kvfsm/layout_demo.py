@@ -274,10 +274,11 @@ def _room_descriptors(mgr: PrefillManager, rid: int) -> int:
     """Segments the prefill rank posted for the room so far (read before the room is cleared)."""
     with mgr._lock:
         rt = mgr._rooms.get(rid)
-        return int(getattr(rt, "descriptors", 0)) if rt is not None else 0
+        return rt.descriptors if rt is not None else 0
 
 
 def run_layout_demo(cfg: LayoutDemoConfig) -> dict[str, Any]:
+    """Run the rooms (see the module docstring); returns a JSON-able result with ``ok``."""
     rng = random.Random(cfg.seed)
     mapping = RankMap(cfg.kv_heads, cfg.prefill_tp, cfg.decode_tp, cfg.mla)
     active = [p for p in range(cfg.prefill_tp) if mapping.dests_of(p)]
