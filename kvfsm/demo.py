@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvfsm import layout_demo
 from kvfsm.protocol import KVPoll
 from kvfsm.runtime import KVReceiver, KVSender, RuntimeConfig
 from kvfsm.testing import LoopbackCluster
@@ -267,7 +268,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DemoConfig()
     p.add_argument("--rooms", type=int, default=d.rooms)
     p.add_argument("--chunks", type=int, default=d.chunks)
-    p.add_argument("--ranks", type=int, default=d.ranks, help="TP ranks on each side (equal TP)")
+    p.add_argument("--ranks", type=int, default=None, help=f"TP ranks on each side (equal TP; default {d.ranks})")
     p.add_argument("--pages-per-chunk", type=int, default=d.pages_per_chunk)
     p.add_argument("--page-bytes", type=int, default=d.page_bytes)
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="rooms in flight at once")
@@ -307,6 +308,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     real.add_argument("--decode-netns", default="", help="run decode ranks in this network namespace")
     real.add_argument("--prefill-host", default="127.0.0.1", help="address prefill ranks bind to")
     real.add_argument("--decode-host", default="127.0.0.1", help="address decode ranks bind to")
+    layout_demo.add_arguments(p)
 
 
 def _shape(args: argparse.Namespace) -> dict[str, Any]:
@@ -314,7 +316,7 @@ def _shape(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "rooms": args.rooms,
         "chunks": args.chunks,
-        "ranks": args.ranks,
+        "ranks": args.ranks if args.ranks is not None else DemoConfig.ranks,
         "pages_per_chunk": args.pages_per_chunk,
         "page_bytes": args.page_bytes,
         "concurrency": min(args.concurrency, args.rooms),
@@ -374,6 +376,8 @@ def main_processes(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    if layout_demo.requested(args):  # TP, page size or MLA differ between the sides
+        return layout_demo.main(args)
     if args.transport != "loopback":
         return main_processes(args)
     cfg = DemoConfig(
