@@ -270,13 +270,6 @@ class _Ranks:
             close()
 
 
-def _room_descriptors(mgr: PrefillManager, rid: int) -> int:
-    """Segments the prefill rank posted for the room so far (read before the room is cleared)."""
-    with mgr._lock:
-        rt = mgr._rooms.get(rid)
-        return rt.descriptors if rt is not None else 0
-
-
 def run_layout_demo(cfg: LayoutDemoConfig) -> dict[str, Any]:
     """Run the rooms (see the module docstring); returns a JSON-able result with ``ok``."""
     rng = random.Random(cfg.seed)
@@ -311,7 +304,7 @@ def run_layout_demo(cfg: LayoutDemoConfig) -> dict[str, Any]:
     def conclude(room: _Room) -> None:
         nonlocal elements, aux_checked
         codes = [r.poll() for r in room.receivers.values()] + [s.poll() for s in room.senders.values()]
-        descriptors.append(sum(_room_descriptors(ranks.prefill[p], room.rid) for p in room.senders))
+        descriptors.append(sum(s.transferred()[1] for s in room.senders.values()))
         if all(code == KVPoll.Success for code in codes):
             outcome["succeeded"] += 1
             for d, cache in enumerate(ranks.dcache):

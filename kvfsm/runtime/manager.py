@@ -96,6 +96,14 @@ class RoomHandle:
     def abort(self, reason: str = "aborted by engine") -> None:
         self.manager.abort(self.room, reason)
 
+    def transferred(self) -> tuple[int, int]:
+        """(bytes, descriptors) of this room's KV and aux moved so far: on prefill, posted (a
+        descriptor is one contiguous run of a write); on decode, the KV bytes notified. (0, 0)
+        once the room is cleared."""
+        with self.manager._lock:
+            rt = self.manager._rooms.get(self.room)
+            return (rt.bytes, rt.descriptors) if rt is not None else (0, 0)
+
     def clear(self) -> None:
         """Forget the concluded room on this rank. Before Success/Failed, abort() first."""
         self.manager.clear(self.room)
