@@ -86,7 +86,9 @@ def layouts(
     return [KVLayout(2, 1 if mla else heads, 8, 2, tp, r, page, pages, KVOrder(order), mla) for r in range(tp)]
 
 
-def run_room(net: Net, rid: int, tokens: int, chunk_pages: int, rng: random.Random) -> dict[int, list[int]]:
+def run_room(
+    net: Net, rid: int, tokens: int, chunk_pages: int, rng: random.Random, *, batched: bool = False
+) -> dict[int, list[int]]:
     """One request of ``tokens`` tokens: decode ranks allocate random pages, prefill ranks that take
     part send random pages in chunks of ``chunk_pages`` pages. Returns each decode rank's pages."""
     mapping = net.mapping()
@@ -104,10 +106,16 @@ def run_room(net: Net, rid: int, tokens: int, chunk_pages: int, rng: random.Rand
     net.settle()
     for p, s in senders.items():
         pages = src_pages[p]
+        items = []
         for i in range(0, len(pages), chunk_pages):
             last = i + chunk_pages >= len(pages)
-            s.send(pages[i : i + chunk_pages], is_last=last, aux_slot=0 if last else None)
-            net.settle()
+            items.append((s, pages[i : i + chunk_pages], last, 0 if last else None))
+        if batched:  # every chunk of the rank in one hand-over (an engine's send_many)
+            net.prefill[p].send_many(items)
+        else:
+            for item in items:
+                s.send(*item[1:])
+        net.settle()
     for d, r in enumerate(receivers):
         assert r.poll() == KVPoll.Success, (d, net.decode[d].state(rid), net.decode[d]._rooms[rid].room.failure)
     for s in senders.values():
@@ -148,6 +156,7 @@ CASES = [
     (1, 32, 2, 16, ("vllm_cpu", "sglang"), 2, False),
     (2, 16, 4, 32, ("sglang", "sglang"), 2, False),  # replicated heads at decode
     (4, 16, 2, 64, ("sglang", "vllm_nhd"), 1, True),  # MLA: one sender per decode rank
+    (2, 1, 4, 1, ("sglang", "sglang"), 4, False),  # a page a token (SGLang's default page size)
 ]
 
 
@@ -160,7 +169,7 @@ def test_every_head_vector_of_every_token_lands_from_its_source(tp, ps, td, pd, 
     for rid, tokens in enumerate((ps * 3 + 5, pd + 1, 7, 2 * max(ps, pd))):
         # the pages prefill will send, drawn as run_room draws them (same seed, same order)
         state = rng.getstate()
-        dst_pages = run_room(net, rid, tokens, 2, rng)
+        dst_pages = run_room(net, rid, tokens, 2, rng, batched=rid % 2 == 1)
         rng.setstate(state)
         src_pages = {
             p: rng.sample(range(lay.num_pages), -(-tokens // lay.page_size))
@@ -249,3 +258,20 @@ def test_a_chunk_that_overruns_the_tokens_fails_the_room_before_any_byte_moves()
     net.settle()
     assert s.poll() == KVPoll.Failed and "page count mismatch" in s.failure_exception().reason
     assert (np.concatenate(net.dbuf[0]) == SENTINEL).all()
+
+
+def test_a_run_of_pages_a_token_each_is_planned_too():
+    """One token per page, one destination, ascending runs on both sides: the one-run fast row
+    applies; with layouts its write is still planned between the two orders."""
+    net = Net(layouts(1, 1, 64, "vllm_nhd"), layouts(1, 1, 64, "sglang"))
+    r = net.decode[0].create_receiver(1)
+    s = net.prefill[0].create_sender(1)
+    net.settle()
+    r.init(range(20, 50), aux_slot=0, tokens=30)
+    net.settle()
+    s.send(range(0, 10))
+    s.send(range(10, 30), is_last=True, aux_slot=1)
+    net.settle()
+    assert r.poll() == KVPoll.Success and s.poll() == KVPoll.Success
+    assert net.prefill[0].stats()["counters"]["descriptors"] > 2  # planned per head vector, not one run
+    assert check_room(net, 30, {0: list(range(20, 50))}, {0: list(range(30))}) == 30 * 4 * 2 * 2
