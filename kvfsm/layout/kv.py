@@ -28,6 +28,14 @@ one ``[slots, d]`` buffer per layer and vLLM NHD one ``[blocks, bs, d]``.) ``add
 vector to (buffer, byte offset); ``identify`` is its exact inverse, vectorised with numpy, which
 is what ``verify_plan`` reads plans with.
 
+An engine may arrange the tokens inside each (page, head) cell its own way: vLLM's CPU kernels
+keep K transposed there (``[head_dim, block_size]``, then V ``[block_size, head_dim]``), which
+no head-vector run can address. Such a layout is declared ``opaque``: it is described by one of
+the orders above (``vllm_cpu``: a cell is the ``block_size x 2 x head_dim`` elements of one page
+and head), plans copy whole cells (the last page of a request whole, its unused slots with it,
+which the engine never reads before it writes them), and it exchanges KV only with a rank of
+the same order and page size (``compatible``); a different TP is fine.
+
 Pure: stdlib and numpy, no torch, no I/O.
 """
 
@@ -85,6 +93,9 @@ class KVLayout:
     num_pages: int
     order: KVOrder = KVOrder.SGLANG
     mla: bool = False
+    # the engine arranges the tokens inside each (page, head) cell its own way (vLLM's CPU
+    # kernels keep K transposed there): only whole cells move, between equal layouts
+    opaque: bool = False
     # derived once: the rank's global heads, the axes' sizes and strides (in head vectors)
     local_heads: range = field(init=False, repr=False, compare=False)
     _sizes: dict[str, int] = field(init=False, repr=False, compare=False)
@@ -95,6 +106,9 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        for name in ("mla", "opaque"):
+            if not isinstance(getattr(self, name), bool):
+                raise LayoutError(f"KVLayout.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(f"KVLayout.tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
         try:
@@ -209,7 +223,7 @@ class KVLayout:
         """This layout as a registration carries it."""
         return LayoutFields(
             self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes, self.tp_size, self.tp_rank,
-            self.page_size, self.num_pages, self.order.value, self.mla,
+            self.page_size, self.num_pages, self.order.value, self.mla, self.opaque,
         )  # fmt: skip
 
     @classmethod
@@ -217,7 +231,7 @@ class KVLayout:
         """The layout a peer's registration describes; ``LayoutError`` (saying why) if it cannot exist."""
         return cls(
             f.num_layers, f.num_kv_heads, f.head_dim, f.dtype_bytes, f.tp_size, f.tp_rank, f.page_size,
-            f.num_pages, f.order, f.mla,  # type: ignore[arg-type] # (an unknown order is a LayoutError)
+            f.num_pages, f.order, f.mla, f.opaque,  # type: ignore[arg-type] # (an unknown order is a LayoutError)
         )  # fmt: skip
 
     @property
@@ -241,6 +255,12 @@ def compatible(src: KVLayout, dst: KVLayout) -> str | None:
             return f"model shape differs: {name} {a} at prefill, {b} at decode"
     if src.mla != dst.mla:
         return f"MLA on one side only (prefill mla={src.mla}, decode mla={dst.mla})"
+    if (src.opaque or dst.opaque) and (src.opaque, src.order, src.page_size) != (dst.opaque, dst.order, dst.page_size):
+        return (
+            "a cache whose pages are opaque (vLLM's CPU cache) exchanges whole pages only, with a rank of "
+            f"the same order and page size (prefill {src.order.value}/{src.page_size}/opaque={src.opaque}, "
+            f"decode {dst.order.value}/{dst.page_size}/opaque={dst.opaque})"
+        )
     try:
         RankMap(src.num_kv_heads, src.tp_size, dst.tp_size, src.mla)
     except MappingError as exc:

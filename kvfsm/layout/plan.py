@@ -120,6 +120,7 @@ class Planner:
         dst_first = heads.start - dst.local_heads.start
         if mutant == "head_offset_from_global_rank":
             dst_first = src.tp_rank * n  # SGLang's slip: the sender's global rank, not its place in the group
+        self.whole_pages = src.opaque  # (compatible: then dst.opaque, one order and page size)
         self.kind: PlanKind = (
             "direct"
             if n
@@ -151,6 +152,15 @@ class Planner:
         self._src_buffer = kv * (0 if src.kv_in_buffer else src.num_layers)
         self._shape = [src.num_kv if a == "kv" else n if a == "head" else dst.page_size for a in axes]
 
+    def span(self, first_token: int, num_tokens: int) -> tuple[int, int]:
+        """The tokens a chunk's plan moves: the chunk's own, or, between opaque layouts, every
+        token of the pages it touches (``KVLayout.opaque``: whole cells only)."""
+        if not self.whole_pages or not num_tokens:
+            return first_token, num_tokens
+        ps = self.src.page_size
+        start = first_token // ps * ps
+        return start, -(-(first_token + num_tokens) // ps) * ps - start
+
     def plan(
         self,
         src_pages: npt.ArrayLike,
@@ -168,6 +178,7 @@ class Planner:
         src, dst = self.src, self.dst
         if first_token < 0 or num_tokens < 0:
             raise LayoutError(f"a chunk needs first_token >= 0 and num_tokens >= 0, got {first_token}, {num_tokens}")
+        first_token, num_tokens = self.span(first_token, num_tokens)
         end = first_token + num_tokens
         spages = _pages(src_pages, src, "prefill", end, src_first_page)
         dpages = _pages(dst_pages, dst, "decode", end, dst_first_page)

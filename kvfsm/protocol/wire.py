@@ -70,6 +70,7 @@ class LayoutFields(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     num_pages: _U32
     order: Annotated[str, Meta(max_length=32)]
     mla: bool
+    opaque: bool
 
 
 @fast_init

@@ -82,6 +82,7 @@ class WritePoster(Manager):
         src_first, dst_first = first // planner.src.page_size, first // planner.dst.page_size
         plan = planner.plan(src, dst, first, n, src_first_page=src_first, dst_first_page=dst_first)
         if self.config.verify_plans:
+            first, n = planner.span(first, n)  # (opaque pages: the whole pages the plan moves)
             verify_plan(
                 plan, planner.src, planner.dst, src, dst, first, n, planner.mapping,
                 src_first_page=src_first, dst_first_page=dst_first,

@@ -69,7 +69,7 @@ def test_a_pair_that_cannot_exchange_kv_is_refused_with_the_reason(mine, theirs,
 def test_a_layout_that_cannot_exist_is_refused_not_dropped():
     link = prefill_link(lay(2, 0))
     wire = lay(4, 1).to_wire()
-    bad = RegistrationReceived(Register(1, "decode/1", 8, PAGE, 4, AUX, type(wire)(*[0] * 8, "sglang", False)))
+    bad = RegistrationReceived(Register(1, "decode/1", 8, PAGE, 4, AUX, type(wire)(*[0] * 8, "sglang", False, False)))
     ack = judged(link, bad)
     assert link.state == "Refused" and "decode layout: KVLayout.num_layers must be a positive int" in ack.reason
 

@@ -53,10 +53,11 @@ FIELD = {
         *[st.integers(0, 2**32 - 1)] * 8,
         st.sampled_from(["sglang", "vllm_nhd", "vllm_hnd", "vllm_cpu", "other"]),
         st.booleans(),
+        st.booleans(),
     ),
 }
 _LAYOUT = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 8, "dtype_bytes": 2, "tp_size": 2, "tp_rank": 1,
-           "page_size": 16, "num_pages": 8, "order": "sglang", "mla": False}  # fmt: skip
+           "page_size": 16, "num_pages": 8, "order": "sglang", "mla": False, "opaque": False}  # fmt: skip
 # One valid value of each field type, to build messages by hand
 SAMPLE = {"u32": 3, "u64": 2**40, "bool": True, "str": "ok", "list[u32]": [1, 2, 3], "layout?": _LAYOUT}
 

@@ -275,3 +275,21 @@ def test_a_run_of_pages_a_token_each_is_planned_too():
     assert r.poll() == KVPoll.Success and s.poll() == KVPoll.Success
     assert net.prefill[0].stats()["counters"]["descriptors"] > 2  # planned per head vector, not one run
     assert check_room(net, 30, {0: list(range(20, 50))}, {0: list(range(30))}) == 30 * 4 * 2 * 2
+
+
+def test_opaque_pages_move_whole_and_only_between_equal_layouts():
+    """vLLM's CPU cache keeps each block's K transposed: a layout declared ``opaque`` moves whole
+    (page, head) cells, the last page of a request whole, and pairs only with its own order and
+    page size (TP may differ)."""
+    src = [replace(lay, opaque=True) for lay in layouts(2, 16, 16, "vllm_cpu")]
+    net = Net(src, [replace(lay, opaque=True) for lay in layouts(4, 16, 16, "vllm_cpu")])
+    rng = random.Random(5)
+    dst_pages = run_room(net, 1, 37, 1, rng)  # 37 tokens: the third page holds 5 of 16
+    for d, lay in enumerate(net.dst):
+        for b, buffer in enumerate(net.dbuf[d]):
+            cells = buffer.reshape(lay.num_pages, -1)  # a page's cells, every local head
+            assert not (cells[dst_pages[d]] == SENTINEL).all(axis=1).any(), (d, b)  # every page whole
+            others = np.setdiff1d(np.arange(lay.num_pages), dst_pages[d])
+            assert (cells[others] == SENTINEL).all()
+    other = Net(src, [replace(lay, opaque=True) for lay in layouts(4, 32, 8, "vllm_cpu")])
+    assert "exchanges whole pages only" in (other.decode[0].link_failure(0) or "")

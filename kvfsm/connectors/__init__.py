@@ -1,0 +1,1 @@
+"""Engine connectors: kvfsm rooms driven by an inference engine's own connector API."""
