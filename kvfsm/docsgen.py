@@ -72,6 +72,7 @@ CONFIG_CLASSES = (
     "kvfsm.transport.nixl:NixlConfig",
     "kvfsm.transport.zmq_config:ZmqConfig",
     "kvfsm.transport.loopback:Faults",
+    "kvfsm.connectors.vllm.config:VllmConnectorConfig",
 )
 
 
