@@ -39,7 +39,7 @@ from typing import Any
 _MARK = "KVFSM_PD "
 _START_TIMEOUT = 240.0
 _REQUEST_TIMEOUT = 120.0
-_TAIL_LINES = 80
+_TAIL_LINES = 200
 # vLLM's CPU attention backend needs a block size that is a multiple of 32.
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 512
