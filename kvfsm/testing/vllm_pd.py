@@ -43,6 +43,7 @@ _TAIL_LINES = 200
 # vLLM's CPU attention backend needs a block size that is a multiple of 32.
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 512
+NUM_BLOCKS = 512
 
 
 class EngineError(RuntimeError):
@@ -65,25 +66,30 @@ class EngineSpec:
     kv: dict[str, Any] | None = None
     block_size: int = BLOCK_SIZE
     max_model_len: int = MAX_MODEL_LEN
+    # KV cache blocks per engine (vLLM's num_gpu_blocks_override); None sizes the cache from
+    # VLLM_CPU_KVCACHE_SPACE (1 GiB here: 32768 blocks of this model, slow to register with NIXL)
+    num_blocks: int | None = NUM_BLOCKS
     env: dict[str, str] = field(default_factory=dict)
-    inspect: bool = False  # print the KV caches' layout (names, shapes, dtypes, strides) once ready
 
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "kvfsm.testing.vllm_pd", "serve", "--model", self.model]
         args += ["--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len)]
         if self.kv is not None:
             args += ["--kv", json.dumps(self.kv)]
-        if self.inspect:
-            args.append("--inspect")
+        if self.num_blocks is not None:
+            args += ["--num-blocks", str(self.num_blocks)]
         return args
 
 
 class Engine:
     """One engine process, driven over stdin/stdout. Use as a context manager."""
 
-    def __init__(self, spec: EngineSpec, name: str, start_timeout: float = _START_TIMEOUT) -> None:
+    def __init__(
+        self, spec: EngineSpec, name: str, start_timeout: float = _START_TIMEOUT, log_path: str | None = None
+    ) -> None:
         self.spec = spec
         self.name = name
+        self._log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed by the reader
         self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         env = dict(os.environ)
@@ -123,6 +129,10 @@ class Engine:
                 except ValueError:
                     pass
             self._tail.append(line.rstrip("\n"))
+            if self._log is not None:
+                self._log.write(line)
+        if self._log is not None:
+            self._log.close()
         self._lines.put(None)  # end of output: the process is gone
 
     def tail(self) -> str:
@@ -217,28 +227,22 @@ class PDPair:
         extra_config: dict[str, Any] | None = None,
         block_size: int = BLOCK_SIZE,
         decode_block_size: int | None = None,
-        inspect: bool = False,
+        env: dict[str, str] | None = None,
+        log_dir: str | None = None,
     ) -> None:
-        self.transfer_mode: str | None = None
-        env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-        env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-        p_spec = EngineSpec(
-            model,
-            _kv_config(connector, "kv_producer", module_path, extra_config),
-            block_size=block_size,
-            env=env_p,
-            inspect=inspect,
-        )
-        d_spec = EngineSpec(
-            model,
-            _kv_config(connector, "kv_consumer", module_path, extra_config),
-            block_size=decode_block_size or block_size,
-            env=env_d,
-            inspect=inspect,
-        )
-        self.prefill_engine = Engine(p_spec, "prefill")
+        def spec(role: str, blocks: int) -> EngineSpec:
+            side = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+            kv = _kv_config(connector, role, module_path, extra_config)
+            return EngineSpec(model, kv, block_size=blocks, env={**side, **(env or {})})
+
+        def log(name: str) -> str | None:
+            return os.path.join(log_dir, f"{name}.log") if log_dir else None
+
+        self.prefill_engine = Engine(spec("kv_producer", block_size), "prefill", log_path=log("prefill"))
         try:
-            self.decode_engine = Engine(d_spec, "decode")
+            self.decode_engine = Engine(
+                spec("kv_consumer", decode_block_size or block_size), "decode", log_path=log("decode")
+            )
         except BaseException:
             self.prefill_engine.close()
             raise
@@ -325,6 +329,7 @@ def _serve(args: argparse.Namespace) -> int:
         dtype="float32",
         seed=0,
         enable_prefix_caching=False,
+        num_gpu_blocks_override=args.num_blocks,
         **kwargs,
     )
     _emit({"ready": True, "start_s": time.monotonic() - t0, "pid": os.getpid()})
@@ -378,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--kv", default=None, help="KVTransferConfig keyword arguments as JSON")
     s.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     s.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
-    s.add_argument("--inspect", action="store_true")
+    s.add_argument("--num-blocks", type=int, default=None)
     args = ap.parse_args(argv)
     return _serve(args)
 
