@@ -85,7 +85,12 @@ class Engine:
     """One engine process, driven over stdin/stdout. Use as a context manager."""
 
     def __init__(
-        self, spec: EngineSpec, name: str, start_timeout: float = _START_TIMEOUT, log_path: str | None = None
+        self,
+        spec: EngineSpec,
+        name: str,
+        start_timeout: float = _START_TIMEOUT,
+        log_path: str | None = None,
+        wait: bool = True,
     ) -> None:
         self.spec = spec
         self.name = name
@@ -98,7 +103,9 @@ class Engine:
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.update(spec.env)
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
+        self.start_s = 0.0
+        self.ready: dict[str, Any] = {}
         self.proc = subprocess.Popen(
             spec.argv(),
             stdin=subprocess.PIPE,
@@ -111,13 +118,17 @@ class Engine:
         )
         self._reader = threading.Thread(target=self._read, name=f"vllm-pd-{name}", daemon=True)
         self._reader.start()
+        if wait:
+            self.wait_ready(start_timeout)
+
+    def wait_ready(self, timeout: float = _START_TIMEOUT) -> None:
+        """Wait until the engine serves; kill it if it does not within ``timeout``."""
         try:
-            ready = self._wait(start_timeout, "start")
+            self.ready = self._wait(timeout, "start")
         except BaseException:
             self.kill()
             raise
-        self.start_s = time.monotonic() - t0
-        self.ready = ready
+        self.start_s = time.monotonic() - self._t0
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -238,13 +249,20 @@ class PDPair:
         def log(name: str) -> str | None:
             return os.path.join(log_dir, f"{name}.log") if log_dir else None
 
-        self.prefill_engine = Engine(spec("kv_producer", block_size), "prefill", log_path=log("prefill"))
+        # both start at once (start-up is mostly waiting on vLLM's own process hand-offs)
+        self.prefill_engine = Engine(spec("kv_producer", block_size), "prefill", log_path=log("prefill"), wait=False)
         try:
             self.decode_engine = Engine(
-                spec("kv_consumer", decode_block_size or block_size), "decode", log_path=log("decode")
+                spec("kv_consumer", decode_block_size or block_size), "decode", log_path=log("decode"), wait=False
             )
         except BaseException:
-            self.prefill_engine.close()
+            self.prefill_engine.kill()
+            raise
+        try:
+            self.prefill_engine.wait_ready()
+            self.decode_engine.wait_ready()
+        except BaseException:
+            self.close()
             raise
 
     def prefill(self, prompts: Sequence[Sequence[int]], transfer_mode: str | None = None) -> list[dict[str, Any]]:
@@ -273,8 +291,12 @@ class PDPair:
         return self.decode(prompts, self.prefill(prompts, transfer_mode), max_tokens)
 
     def close(self) -> None:
-        for e in (self.decode_engine, self.prefill_engine):
-            e.close()
+        """Shut both engines down at once (vLLM's shutdown waits seconds on its worker)."""
+        threads = [threading.Thread(target=e.close) for e in (self.decode_engine, self.prefill_engine)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def __enter__(self) -> PDPair:
         return self
