@@ -26,7 +26,7 @@ def make_tiny_llama(path: str | Path, seed: int = 0) -> Path:
     Returns the directory. Writing the same seed twice gives identical weight files.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # type: ignore[import-not-found, unused-ignore]
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +94,7 @@ class Engine:
     ) -> None:
         self.spec = spec
         self.name = name
-        self._log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed by the reader
+        self._log = open(log_path, "a") if log_path else None  # closed by the reader thread
         self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         env = dict(os.environ)
@@ -212,9 +212,7 @@ class Engine:
         self.close()
 
 
-def _kv_config(
-    connector: str, role: str, module_path: str | None, extra: dict[str, Any] | None
-) -> dict[str, Any]:
+def _kv_config(connector: str, role: str, module_path: str | None, extra: dict[str, Any] | None) -> dict[str, Any]:
     kv: dict[str, Any] = {"kv_connector": connector, "kv_role": role}
     if module_path is not None:
         kv["kv_connector_module_path"] = module_path
@@ -265,12 +263,18 @@ class PDPair:
             self.close()
             raise
 
-    def prefill(self, prompts: Sequence[Sequence[int]], transfer_mode: str | None = None) -> list[dict[str, Any]]:
-        """Run the prefill leg of every prompt; the params decode needs, in prompt order."""
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], transfer_mode: str | None = None, timeout: float = _REQUEST_TIMEOUT
+    ) -> list[dict[str, Any]]:
+        """Run the prefill leg of every prompt; the params decode needs, in prompt order.
+
+        ``transfer_mode`` goes into the leg's ``kv_transfer_params`` for connectors that choose
+        pull or push per request; vLLM's own connectors choose by class (``NixlPullConnector``,
+        ``NixlPushConnector``) and only echo the mode in the params they return."""
         leg: dict[str, Any] = {"do_remote_decode": True}
         if transfer_mode is not None:
             leg["transfer_mode"] = transfer_mode
-        outs = self.prefill_engine.generate(prompts, 1, [dict(leg) for _ in prompts])
+        outs = self.prefill_engine.generate(prompts, 1, [dict(leg) for _ in prompts], timeout)
         params: list[dict[str, Any]] = []
         for i, o in enumerate(outs):
             if not o["kv_transfer_params"]:
@@ -279,10 +283,14 @@ class PDPair:
         return params
 
     def decode(
-        self, prompts: Sequence[Sequence[int]], params: Sequence[dict[str, Any]], max_tokens: int
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[dict[str, Any]],
+        max_tokens: int,
+        timeout: float = _REQUEST_TIMEOUT,
     ) -> list[list[int]]:
         """Run the decode leg of every prompt with the given params; decode's token lists."""
-        outs = self.decode_engine.generate(prompts, max_tokens, list(params))
+        outs = self.decode_engine.generate(prompts, max_tokens, list(params), timeout)
         return [list(o["tokens"]) for o in outs]
 
     def run(
@@ -334,11 +342,11 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found, unused-ignore]
 
     kwargs: dict[str, Any] = {}
     if args.kv:
-        from vllm.config import KVTransferConfig
+        from vllm.config import KVTransferConfig  # type: ignore[import-not-found, unused-ignore]
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**json.loads(args.kv))
     t0 = time.monotonic()
@@ -408,8 +416,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--num-blocks", type=int, default=None)
     args = ap.parse_args(argv)
     return _serve(args)
-
-
 
 
 if __name__ == "__main__":

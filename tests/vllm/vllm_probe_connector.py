@@ -56,21 +56,39 @@ def _wrap(name: str) -> Any:
         key = (os.getpid(), str(getattr(self, "_role", None)), name)
         if key not in _SEEN:
             _SEEN.add(key)
-            _log({"pid": os.getpid(), "thread": threading.current_thread().name, "role": str(getattr(self, "_role", None)),
-                  "method": name})
+            _log(
+                {
+                    "pid": os.getpid(),
+                    "thread": threading.current_thread().name,
+                    "role": str(getattr(self, "_role", None)),
+                    "method": name,
+                }
+            )
         if name == "register_kv_caches":
             caches = args[0] if args else kwargs["kv_caches"]
-            _log({"pid": os.getpid(), "kv_caches": {
-                k: {"shape": list(t.shape), "dtype": str(t.dtype), "stride": list(t.stride()),
-                    "device": str(t.device), "data_ptr": t.data_ptr(), "nbytes": t.numel() * t.element_size(),
-                    "contiguous": t.is_contiguous(), "storage_offset": t.storage_offset(),
-                    "untyped_storage_nbytes": t.untyped_storage().nbytes(),
-                    "storage_ptr": t.untyped_storage().data_ptr()}
-                for k, t in caches.items()}})
+            _log(
+                {
+                    "pid": os.getpid(),
+                    "kv_caches": {
+                        k: {
+                            "shape": list(t.shape),
+                            "dtype": str(t.dtype),
+                            "stride": list(t.stride()),
+                            "device": str(t.device),
+                            "data_ptr": t.data_ptr(),
+                            "nbytes": t.numel() * t.element_size(),
+                            "contiguous": t.is_contiguous(),
+                            "storage_offset": t.storage_offset(),
+                            "untyped_storage_nbytes": t.untyped_storage().nbytes(),
+                            "storage_ptr": t.untyped_storage().data_ptr(),
+                        }
+                        for k, t in caches.items()
+                    },
+                }
+            )
         if name in ("request_finished", "request_finished_all_groups"):
             out = inner(self, *args, **kwargs)
-            _log({"pid": os.getpid(), "method": name, "block_ids": args[1] if len(args) > 1 else None,
-                  "returned": out})
+            _log({"pid": os.getpid(), "method": name, "block_ids": args[1] if len(args) > 1 else None, "returned": out})
             return out
         return inner(self, *args, **kwargs)
 
@@ -82,9 +100,16 @@ class ProbeConnector(NixlPullConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._role = role
-        _log({"pid": os.getpid(), "ppid": os.getppid(), "role": str(role), "method": "__init__",
-              "kv_role": vllm_config.kv_transfer_config.kv_role,
-              "engine_id": vllm_config.kv_transfer_config.engine_id})
+        _log(
+            {
+                "pid": os.getpid(),
+                "ppid": os.getppid(),
+                "role": str(role),
+                "method": "__init__",
+                "kv_role": vllm_config.kv_transfer_config.kv_role,
+                "engine_id": vllm_config.kv_transfer_config.engine_id,
+            }
+        )
 
 
 for _name in _METHODS:
