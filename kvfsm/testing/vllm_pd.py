@@ -211,12 +211,18 @@ class Engine:
         results: list[dict[str, Any]] = out["outputs"]
         return results
 
-    def kill(self) -> None:
+    def kill(self, grace: float = 5.0) -> None:
+        """SIGTERM the engine's process group, then SIGKILL what is left after ``grace``
+        seconds (vLLM unlinks its /dev/shm queues on SIGTERM; SIGKILL alone leaks them)."""
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(10)
+                self.proc.wait(grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask the engine to shut down; kill its process group if it does not within ``timeout``."""
