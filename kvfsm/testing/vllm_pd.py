@@ -395,6 +395,7 @@ def _serve(args: argparse.Namespace) -> int:
         seed=0,
         enable_prefix_caching=False,
         num_gpu_blocks_override=args.num_blocks,
+        disable_log_stats=False,  # (request outputs then carry their timings)
         **kwargs,
     )
     _emit({"ready": True, "start_s": time.monotonic() - t0, "pid": os.getpid()})
@@ -428,7 +429,12 @@ def _serve(args: argparse.Namespace) -> int:
             _emit(
                 {
                     "outputs": [
-                        {"tokens": list(o.outputs[0].token_ids), "kv_transfer_params": o.kv_transfer_params}
+                        {
+                            "tokens": list(o.outputs[0].token_ids),
+                            "kv_transfer_params": o.kv_transfer_params,
+                            # seconds from the request's arrival to its first token (bench/vllm.py)
+                            "ttft_s": getattr(o.metrics, "first_token_latency", None),
+                        }
                         for o in outs
                     ],
                     "wall_s": time.monotonic() - t,

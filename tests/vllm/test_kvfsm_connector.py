@@ -56,6 +56,16 @@ def test_the_kv_is_used_swapped_rooms_change_the_tokens(
     assert pair.decode([a, b], [pa, pb], MAX_TOKENS) == [reference[-2], reference[-1]]
 
 
+def test_params_naming_an_unreachable_prefill_engine_fail_that_request_only(
+    pair: PDPair, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    (good,) = pair.prefill([prompts[4]])
+    bogus = good | {"kvfsm_bootstrap": "tcp://127.0.0.1:9", "kvfsm_prefill_names": ["nobody"]}
+    t0 = time.monotonic()
+    out = pair.decode([prompts[4], prompts[4]], [bogus, good], MAX_TOKENS)
+    assert out == [[], reference[4]] and time.monotonic() - t0 < 60
+
+
 @pytest.fixture(scope="module")
 def small(model: str) -> Iterator[PDPair]:
     """A pair whose prefill engine has few blocks: three held requests take nearly all of them."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -26,10 +27,27 @@ from kvfsm.testing.vllm_pd import BLOCK_SIZE, PDPair  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 
 
+# vLLM's default lease (30 s) can lapse on a loaded 2-CPU machine before the decode leg reads:
+# the judge is vLLM's connector working, so its lease is generous here
+EXTRA = {"kv_lease_duration": 300}
+
+
 @pytest.fixture(scope="module")
-def pair(model: str) -> Iterator[PDPair]:
-    with PDPair(model, "NixlConnector") as p:
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("nixl_pair_logs")
+
+
+@pytest.fixture(scope="module")
+def pair(model: str, logs: Path) -> Iterator[PDPair]:
+    with PDPair(model, "NixlConnector", extra_config=EXTRA, log_dir=str(logs)) as p:
         yield p
+
+
+def _tail(logs: Path) -> str:
+    """The engines' last log lines, for a failure message."""
+    return "\n".join(
+        f"--- {f.name}\n" + "\n".join(f.read_text().splitlines()[-40:]) for f in sorted(logs.glob("*.log"))
+    )
 
 
 def test_lengths_cover_the_block_cases() -> None:
@@ -44,13 +62,16 @@ def test_reference_is_not_degenerate(reference: list[list[int]]) -> None:
     assert all(len(r) == MAX_TOKENS for r in reference)
 
 
-def test_disaggregated_equals_single(pair: PDPair, prompts: list[list[int]], reference: list[list[int]]) -> None:
+def test_disaggregated_equals_single(
+    pair: PDPair, prompts: list[list[int]], reference: list[list[int]], logs: Path
+) -> None:
     params = pair.prefill(prompts)
     for p, kv in zip(prompts, params, strict=True):
         assert kv["do_remote_prefill"] is True
         assert kv["remote_num_tokens"] == len(p)
         assert len(kv["remote_block_ids"][0]) == -(-len(p) // BLOCK_SIZE)
-    assert pair.decode(prompts, params, MAX_TOKENS) == reference
+    got = pair.decode(prompts, params, MAX_TOKENS)
+    assert got == reference, _tail(logs)
 
 
 def test_swapped_kv_changes_outputs(pair: PDPair, prompts: list[list[int]], reference: list[list[int]]) -> None:

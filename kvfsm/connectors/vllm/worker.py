@@ -157,6 +157,7 @@ class WorkerSide:
         self._decode: dict[PrefillAddress, DecodeManager] = {}
         self._sends: dict[str, _Sending] = {}
         self._recvs: dict[str, _Receiving] = {}
+        self._unreachable: list[Recv] = []  # receives that could not even start: failed at the next report
         self._closers: list[Callable[[], None]] = []
         self._paux = np.zeros(config.aux_slots * AUX_BYTES, np.uint8)
         self._pslots = _Slots(config.aux_slots)
@@ -262,9 +263,14 @@ class WorkerSide:
         sender.send(list(send.pages), is_last=True, aux_slot=slot)
 
     def _recv(self, recv: Recv) -> None:
-        dm = self._decode_manager(recv.prefill)
-        slot = self._dslots[recv.prefill].take()
-        r = _Receiving(recv, dm.create_receiver(recv.room), slot)
+        try:
+            dm = self._decode_manager(recv.prefill)
+            slot = self._dslots[recv.prefill].take()
+            r = _Receiving(recv, dm.create_receiver(recv.room), slot)
+        except Exception as exc:  # noqa: BLE001 - an unreachable prefill engine fails this request only
+            log.warning("KvfsmConnector: cannot receive %s from %s: %r", recv.req_id, recv.prefill.bootstrap, exc)
+            self._unreachable.append(recv)
+            return
         self._recvs[recv.req_id] = r
         self._try_init(r)
 
@@ -276,6 +282,11 @@ class WorkerSide:
     def finished(self) -> Finished:
         """Poll every room (timers fire here) and report those that concluded."""
         out = Finished()
+        for recv in self._unreachable:
+            out.recving.add(recv.req_id)
+            out.failed.add(recv.req_id)
+            out.bad_blocks.update(recv.pages)
+        self._unreachable.clear()
         for rid, s in list(self._sends.items()):
             code = s.sender.poll()
             if code in (KVPoll.Success, KVPoll.Failed) and not s.sender.pages_in_use():

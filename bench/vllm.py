@@ -1,0 +1,107 @@
+"""vLLM prefill/decode through KvfsmConnector against vLLM's own NixlConnector, in one run.
+
+For each connector a prefill engine and a decode engine (their own processes, a tiny random
+Llama, NIXL over UCX on DRAM) serve the same N concurrent requests for several rounds: the prefill
+legs of a round together, then their decode legs together. Measured per request at the decode
+engine: time to first token (vLLM's own request timing, from the decode leg's arrival; it holds
+the KV transfer, since decode computes its first token only once the whole prompt's KV landed),
+and the decode leg's wall time per round. The baseline is NixlConnector (pull, vLLM's default) in
+the same run; the goal is kvfsm's TTFT at most 1.0x the baseline's. Greedy tokens of both are
+also compared.
+
+    python bench/vllm.py                  # writes bench/results/vllm.json
+    python bench/vllm.py --requests 16 --tokens 512 --rounds 4
+
+Needs vLLM (``pip install -e ".[dev]"``, see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvfsm.testing.tiny_llama import VOCAB, make_tiny_llama
+from kvfsm.testing.vllm_pd import PDPair
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONNECTORS: dict[str, tuple[str, str | None, dict[str, Any] | None, str | None]] = {
+    # name: (kv_connector, kv_connector_module_path, extra config, transfer_mode)
+    "nixl_pull": ("NixlConnector", None, None, None),
+    "kvfsm_push": ("KvfsmConnector", "kvfsm.connectors.vllm", None, "push"),
+}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def run(name: str, model: str, prompts: list[list[int]], rounds: int, max_tokens: int) -> dict[str, Any]:
+    connector, module, extra, mode = CONNECTORS[name]
+    ttft: list[float] = []
+    walls: list[float] = []
+    tokens: list[list[int]] = []
+    t0 = time.monotonic()
+    with PDPair(model, connector, module, extra) as pair:
+        start = time.monotonic() - t0
+        for r in range(rounds + 1):  # round 0 warms both engines up and is not counted
+            params = pair.prefill(prompts, mode)
+            t = time.monotonic()
+            outs = pair.decode_engine.generate(prompts, max_tokens, params)
+            wall = time.monotonic() - t
+            if r == 0:
+                tokens = [list(o["tokens"]) for o in outs]
+                continue
+            walls.append(wall)
+            ttft += [float(o["ttft_s"]) for o in outs if o.get("ttft_s") is not None]
+    return {
+        "connector": connector,
+        "transfer_mode": mode or "pull",
+        "engine_start_s": start,
+        "requests": len(prompts) * rounds,
+        "ttft_ms": {"p50": 1e3 * _pct(ttft, 0.5), "p99": 1e3 * _pct(ttft, 0.99), "mean": 1e3 * statistics.fmean(ttft)}
+        if ttft
+        else None,
+        "decode_round_ms": {"p50": 1e3 * _pct(walls, 0.5), "max": 1e3 * max(walls)},
+        "tokens": tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=8, help="concurrent requests per round")
+    p.add_argument("--tokens", type=int, default=400, help="prompt length")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=4, help="tokens each decode leg generates")
+    p.add_argument("--out", type=Path, default=RESULTS / "vllm.json")
+    args = p.parse_args(argv)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(args.tokens)] for _ in range(args.requests)]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(make_tiny_llama(Path(tmp) / "model", seed=0))
+        res = {name: run(name, model, prompts, args.rounds, args.max_tokens) for name in CONNECTORS}
+    base, ours = res["nixl_pull"], res["kvfsm_push"]
+    out: dict[str, Any] = {
+        "config": vars(args) | {"out": str(args.out)},
+        "results": {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in res.items()},
+        "same_tokens": base["tokens"] == ours["tokens"],
+    }
+    if base["ttft_ms"] and ours["ttft_ms"]:
+        out["ttft_ratio_p50"] = ours["ttft_ms"]["p50"] / base["ttft_ms"]["p50"]
+        out["ttft_ratio_p99"] = ours["ttft_ms"]["p99"] / base["ttft_ms"]["p99"]
+        out["goal_ttft_le_1x"] = out["ttft_ratio_p50"] <= 1.0 and out["ttft_ratio_p99"] <= 1.0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
