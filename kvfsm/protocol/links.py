@@ -9,8 +9,8 @@ the link rows name, on both sides:
 * the two ranks describe their memory the same way: both declare a KV layout
   (``kvfsm.layout.KVLayout``), or neither does and their page and aux slot sizes are equal (a
   page is then a token, and pages are copied whole);
-* with layouts: the decode rank's layout can exist and is the rank it registers as, it holds as
-  many pages as its registered region, and ``kvfsm.layout.compatible`` holds (the same layers,
+* with layouts: the decode rank's layout can exist, it holds as many pages as its registered
+  region, and ``kvfsm.layout.compatible`` holds (the same layers,
   KV heads, head_dim, element size and MLA, and a rank mapping between the two TP groups). A
   different page size or memory order is fine: plans bridge them;
 * aux slots are copied whole on both sides: their sizes are equal.
@@ -28,9 +28,11 @@ from kvfsm.protocol.rooms import DecodeLink, PrefillLink
 from kvfsm.protocol.wire import LayoutFields, Register, RegisterAck
 
 
-def _layouts_problem(prefill: LayoutFields | None, decode: LayoutFields | None, decode_rank: int) -> str:
-    """Why a prefill rank with layout ``prefill`` cannot send to decode rank ``decode_rank`` with
-    layout ``decode`` ("" if it can). Both None: nothing to compare here."""
+def _layouts_problem(prefill: LayoutFields | None, decode: LayoutFields | None) -> str:
+    """Why a prefill rank with layout ``prefill`` cannot send to a decode rank with layout
+    ``decode`` ("" if it can). Both None: nothing to compare here. (A decode rank's id in the
+    protocol need not be its TP rank: several decode engines may register with one prefill
+    engine, each rank under an id of its own; its layout says where it sits in its TP group.)"""
     if (prefill is None) != (decode is None):
         side = "prefill" if prefill is not None else "decode"
         return f"only {side} declares a KV layout (both ranks must, or neither)"
@@ -47,8 +49,6 @@ def _layouts_problem(prefill: LayoutFields | None, decode: LayoutFields | None, 
         theirs = KVLayout.from_wire(decode)
     except LayoutError as exc:
         return f"decode layout: {exc}"
-    if theirs.tp_rank != decode_rank:
-        return f"decode rank {decode_rank} declares the layout of TP rank {theirs.tp_rank}"
     return compatible(mine, theirs) or ""
 
 
@@ -58,7 +58,7 @@ def _registration_problem(link: PrefillLink, ev: Any) -> str:
         return f"aux slot of {reg.aux_slot_bytes} bytes at decode, {link.aux_slot_bytes} at prefill"
     if reg.layout is None and link.layout is None and reg.page_bytes != link.page_bytes:
         return f"page of {reg.page_bytes} bytes at decode, {link.page_bytes} at prefill"
-    problem = _layouts_problem(link.layout, reg.layout, reg.decode_rank)
+    problem = _layouts_problem(link.layout, reg.layout)
     if problem:
         return problem
     if reg.layout is not None and reg.layout.num_pages != reg.kv_pages:
@@ -97,7 +97,7 @@ def ack_accepted(link: DecodeLink, ev: Any) -> bool:
 
 def _ack_problem(link: DecodeLink, ev: Any) -> str:
     ack: RegisterAck = ev.ack
-    problem = _layouts_problem(ack.layout, link.layout, link.rank)
+    problem = _layouts_problem(ack.layout, link.layout)
     if problem:
         return problem
     if ack.layout is not None and (ack.layout.tp_rank != link.room or ack.layout.tp_size != link.prefill_tp):

@@ -72,6 +72,9 @@ class DecodeManager(Manager):
             self._links[r] = link
         # with a layout, who sends to this rank follows from the two TP groups
         self.mapping: RankMap | None = None
+        # where this rank sits in its TP group: its layout's TP rank (its id in the protocol,
+        # ``rank``, may differ: several decode engines can register with one prefill engine)
+        self.tp_rank = self.layout.tp_rank if self.layout is not None else rank
         if self.layout is not None:
             lay = self.layout
             self.mapping = RankMap(lay.num_kv_heads, len(self._peer_names), lay.tp_size, lay.mla)
@@ -79,7 +82,7 @@ class DecodeManager(Manager):
         self._token_bytes: dict[int, int] = {}
         if self.mapping is not None and self.layout is not None:
             per_head = self.layout.num_layers * self.layout.num_kv * self.layout.vector_bytes
-            self._token_bytes = {p: per_head * len(self.mapping.heads(p, rank)) for p in self._peer_names}
+            self._token_bytes = {p: per_head * len(self.mapping.heads(p, self.tp_rank)) for p in self._peer_names}
         self._next_register = 0.0
 
     def connect(self) -> None:
@@ -107,7 +110,7 @@ class DecodeManager(Manager):
         one, the prefill rank of the same number, feeding this rank alone (equal TP)."""
         mapping = self.mapping
         if sources is None:
-            sources = mapping.sources_of(self.rank) if mapping is not None else (self.rank,)
+            sources = mapping.sources_of(self.tp_rank) if mapping is not None else (self.rank,)
         else:
             sources = tuple(as_index(s, "a source rank") for s in sources)
         if required_dests is None:

@@ -55,7 +55,6 @@ def test_ranks_without_layouts_pair_when_page_and_aux_sizes_match():
         (None, dict(layout=lay(4, 1)), "only decode declares a KV layout"),
         (lay(2, 0), dict(layout=lay(4, 1, num_layers=3)), "model shape differs: num_layers"),
         (lay(2, 0), dict(layout=lay(4, 1, mla=False, head_dim=4)), "model shape differs: head_dim"),
-        (lay(2, 0), dict(layout=lay(4, 2)), "declares the layout of TP rank 2"),
         (lay(2, 0), dict(layout=lay(4, 1), pages=9), "layout of 8 pages for a region of 9 pages"),
     ],
 )

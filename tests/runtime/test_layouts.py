@@ -293,3 +293,43 @@ def test_opaque_pages_move_whole_and_only_between_equal_layouts():
             assert (cells[others] == SENTINEL).all()
     other = Net(src, [replace(lay, opaque=True) for lay in layouts(4, 32, 8, "vllm_cpu")])
     assert "exchanges whole pages only" in (other.decode[0].link_failure(0) or "")
+
+
+def test_two_decode_engines_receive_from_one_prefill_engine_under_ids_of_their_own():
+    """A decode rank's id in the protocol is its own (here 7 and 9); its layout says where it
+    sits in its TP group (both are TP rank 0 of a TP-1 engine)."""
+    fabric, clock = Fabric(0), ManualClock()
+    cfg = RuntimeConfig(workers=0, verify_plans=True)
+    src, dst = layouts(1, 16, 16)[0], layouts(1, 64, 4)[0]
+    pbuf = [np.arange(n, dtype=np.uint64).astype(np.uint8) for n in src.buffers()]
+    p = PrefillManager(0, fabric.endpoint("p"), kv=pbuf, aux=np.zeros(4 * AUX, np.uint8), aux_slot_bytes=AUX,
+                       layout=src, config=cfg, clock=clock)  # fmt: skip
+    decodes = {
+        ident: DecodeManager(
+            ident,
+            fabric.endpoint(f"d{ident}"),
+            prefill_peers={0: "p"},
+            kv=[np.zeros(n, np.uint8) for n in dst.buffers()],
+            aux=np.zeros(4 * AUX, np.uint8),
+            aux_slot_bytes=AUX,
+            layout=dst,
+            config=cfg,
+            clock=clock,
+        )  # fmt: skip
+        for ident in (7, 9)
+    }
+    for d in decodes.values():
+        d.connect()
+    while fabric.pump():
+        pass
+    assert all(d.link_state(0) == "ready" for d in decodes.values())
+    for room, (ident, d) in enumerate(decodes.items()):
+        r = d.create_receiver(room)
+        s = p.create_sender(room)
+        r.init([1, 2], aux_slot=0, tokens=70)
+        s.send(range(5), is_last=True, aux_slot=room)
+        while fabric.pump():
+            pass
+        assert r.poll() == KVPoll.Success and s.poll() == KVPoll.Success, ident
+        got = np.concatenate([b.reshape(4, -1)[[1, 2]].reshape(-1) for b in d.kv])
+        assert got.any()

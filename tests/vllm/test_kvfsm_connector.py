@@ -18,7 +18,7 @@ if importlib.util.find_spec("vllm") is None:
 
 from vllm_cases import MAX_TOKENS  # noqa: E402
 
-from kvfsm.testing.vllm_pd import BLOCK_SIZE, PDPair  # noqa: E402
+from kvfsm.testing.vllm_pd import BLOCK_SIZE, Engine, EngineSpec, PDPair  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -64,6 +64,20 @@ def test_params_naming_an_unreachable_prefill_engine_fail_that_request_only(
     t0 = time.monotonic()
     out = pair.decode([prompts[4], prompts[4]], [bogus, good], MAX_TOKENS)
     assert out == [[], reference[4]] and time.monotonic() - t0 < 60
+
+
+def test_two_decode_engines_receive_from_one_prefill_engine(
+    pair: PDPair, model: str, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """Each decode engine's ranks register under ids of their own, so a second decode engine
+    (its TP rank 0 too) is not refused while the first is registered."""
+    spec = EngineSpec(model, {"kv_connector": "KvfsmConnector", "kv_connector_module_path": MODULE,
+                              "kv_role": "kv_consumer"})  # fmt: skip
+    with Engine(spec, "decode2") as second:
+        params = pair.prefill(prompts[:4])
+        first_half = pair.decode(prompts[:2], params[:2], MAX_TOKENS)
+        second_half = [o["tokens"] for o in second.generate(prompts[2:4], MAX_TOKENS, params[2:4])]
+    assert first_half + second_half == reference[:4]
 
 
 @pytest.fixture(scope="module")

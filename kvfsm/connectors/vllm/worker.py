@@ -17,6 +17,7 @@ The aux slot carries the prompt's token count, which decode checks.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -227,8 +228,11 @@ class WorkerSide:
             endpoint = self._endpoint(name, prefill.bootstrap, "decode")
             self._daux[prefill] = aux = np.zeros(self.config.aux_slots * AUX_BYTES, np.uint8)
             self._dslots[prefill] = _Slots(self.config.aux_slots)
+            # the id prefill ranks know this rank by: its own, not its TP rank, so that several
+            # decode engines can receive from one prefill engine at once
+            rank = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little") >> 1
             dm = DecodeManager(
-                self.shape.tp_rank, endpoint, prefill_peers=dict(enumerate(prefill.names)), kv=self._tensors,
+                rank, endpoint, prefill_peers=dict(enumerate(prefill.names)), kv=self._tensors,
                 aux=aux, aux_slot_bytes=AUX_BYTES, layout=self.layout, config=self.runtime_config(),
             )  # fmt: skip
             self._closers.insert(0, dm.close)
