@@ -159,6 +159,7 @@ class WorkerSide:
         self._sends: dict[str, _Sending] = {}
         self._recvs: dict[str, _Receiving] = {}
         self._unreachable: list[Recv] = []  # receives that could not even start: failed at the next report
+        self._unsent: list[str] = []  # sends that could not even start: their blocks freed at the next report
         self._closers: list[Callable[[], None]] = []
         self._paux = np.zeros(config.aux_slots * AUX_BYTES, np.uint8)
         self._pslots = _Slots(config.aux_slots)
@@ -245,7 +246,11 @@ class WorkerSide:
     def start(self, plan: StepPlan) -> None:
         """This step's sends, receives and aborts."""
         for send in plan.sends:
-            self._send(send)
+            try:
+                self._send(send)
+            except Exception as exc:  # noqa: BLE001 - this request's blocks are freed; the engine goes on
+                log.warning("KvfsmConnector: cannot send %s: %r", send.req_id, exc)
+                self._unsent.append(send.req_id)
         for recv in plan.recvs:
             self._recv(recv)
         for rid in plan.aborts:
@@ -259,10 +264,14 @@ class WorkerSide:
         if self._prefill is None:
             raise LocalProtocolError("KvfsmConnector: a send on a worker that does not produce KV")
         slot = self._pslots.take()
-        self._paux[slot * AUX_BYTES : (slot + 1) * AUX_BYTES] = np.frombuffer(
-            np.uint64(send.tokens).tobytes(), np.uint8
-        )
-        sender = self._prefill.create_sender(send.room)
+        try:
+            self._paux[slot * AUX_BYTES : (slot + 1) * AUX_BYTES] = np.frombuffer(
+                np.uint64(send.tokens).tobytes(), np.uint8
+            )
+            sender = self._prefill.create_sender(send.room)
+        except BaseException:
+            self._pslots.give(slot)
+            raise
         self._sends[send.req_id] = _Sending(sender, slot)
         sender.send(list(send.pages), is_last=True, aux_slot=slot)
 
@@ -286,6 +295,8 @@ class WorkerSide:
     def finished(self) -> Finished:
         """Poll every room (timers fire here) and report those that concluded."""
         out = Finished()
+        out.sending.update(self._unsent)
+        self._unsent.clear()
         for recv in self._unreachable:
             out.recving.add(recv.req_id)
             out.failed.add(recv.req_id)
