@@ -8,8 +8,10 @@ within their bounds with the engines still serving.
 from __future__ import annotations
 
 import importlib.util
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -119,3 +121,36 @@ def test_a_killed_prefill_engine_fails_the_decode_request_within_its_bounds(
     # the decode engine keeps serving: a plain request decodes as the reference does
     again = small.decode_engine.generate([prompts[3]], MAX_TOKENS)
     assert [again[0]["tokens"]] == [reference[3]]
+
+
+def test_a_killed_decode_engine_lets_prefill_free_its_blocks_within_its_hold(
+    model: str, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """The decode engine dies while its legs are under way (before it registers its blocks, while
+    prefill writes, or after): whichever it is, prefill's rooms conclude (written, failed on the
+    lost peer, or expired on the hold timer) and their blocks are freed, so a request that needs
+    them runs; the prefill engine keeps serving another decode engine."""
+    extra = {"hold_timeout_s": HOLD_S, "bootstrap_timeout_s": 10.0}
+    with PDPair(model, "KvfsmConnector", MODULE, extra, prefill_num_blocks=SMALL_BLOCKS) as p:
+        big = prompts[0]
+        params = p.prefill([big, big, big])
+        legs = threading.Thread(target=_swallow, args=(p.decode, [big] * 3, params, MAX_TOKENS), daemon=True)
+        legs.start()
+        time.sleep(0.3)
+        p.decode_engine.kill()
+        killed = time.monotonic()
+        legs.join(30)
+        spec = EngineSpec(model, {"kv_connector": "KvfsmConnector", "kv_connector_module_path": MODULE,
+                                  "kv_role": "kv_consumer"})  # fmt: skip
+        with Engine(spec, "decode2") as second:
+            fresh = p.prefill([big], timeout=HOLD_S + 60)  # needs the blocks the three legs held
+            assert time.monotonic() - killed < HOLD_S + 90
+            assert [o["tokens"] for o in second.generate([big], MAX_TOKENS, fresh)] == [reference[0]]
+
+
+def _swallow(fn: Any, *args: Any) -> None:
+    """Run ``fn``; the engine it talks to is killed meanwhile, so its error is expected."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the decode engine was killed under it
+        pass
