@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvfsm import layout_demo
+from kvfsm.layout_demo import PagePool
 from kvfsm.protocol import KVPoll
 from kvfsm.runtime import KVReceiver, KVSender, RuntimeConfig
 from kvfsm.testing import LoopbackCluster
@@ -66,20 +67,6 @@ class SkipClock:
         now = self()
         if t > now:
             self.skipped += t - now
-
-
-class PagePool:
-    def __init__(self, n: int) -> None:
-        self.free = list(range(n - 1, -1, -1))
-
-    def take(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise RuntimeError("page pool exhausted")
-        out = [self.free.pop() for _ in range(n)]
-        return out
-
-    def give(self, pages: list[int]) -> None:
-        self.free.extend(reversed(pages))
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:

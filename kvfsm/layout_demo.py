@@ -115,21 +115,21 @@ class LayoutDemoConfig:
         )
 
 
-class _Pool:
-    """A rank's free pages, handed out in a shuffled order (a room's pages are not contiguous)."""
+class PagePool:
+    """A rank's free pages: in order, or shuffled with ``rng`` (a room's pages then scattered)."""
 
-    def __init__(self, n: int, rng: random.Random) -> None:
-        self.free = list(range(n))
-        rng.shuffle(self.free)
+    def __init__(self, n: int, rng: random.Random | None = None) -> None:
+        self.free = list(range(n - 1, -1, -1))
+        if rng is not None:
+            rng.shuffle(self.free)
 
     def take(self, n: int) -> list[int]:
         if n > len(self.free):
             raise RuntimeError("page pool exhausted")
-        out, self.free = self.free[:n], self.free[n:]
-        return out
+        return [self.free.pop() for _ in range(n)]
 
     def give(self, pages: list[int]) -> None:
-        self.free.extend(pages)
+        self.free.extend(reversed(pages))
 
 
 @dataclass
@@ -277,8 +277,8 @@ def run_layout_demo(cfg: LayoutDemoConfig) -> dict[str, Any]:
     active = [p for p in range(cfg.prefill_tp) if mapping.dests_of(p)]
     ranks = _Ranks(cfg)
     c = cfg
-    ppools = [_Pool(cache.layout.num_pages, rng) for cache in ranks.pcache]
-    dpools = [_Pool(cache.layout.num_pages, rng) for cache in ranks.dcache]
+    ppools = [PagePool(cache.layout.num_pages, rng) for cache in ranks.pcache]
+    dpools = [PagePool(cache.layout.num_pages, rng) for cache in ranks.dcache]
     outcome = {"succeeded": 0, "failed": 0, "stuck": 0}
     problems: list[str] = []
     descriptors: list[int] = []

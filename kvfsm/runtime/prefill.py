@@ -65,8 +65,8 @@ class PrefillManager(WritePoster):
         super().__init__(rank, endpoint, protocol, **kwargs)
         self._link_machine = self.protocol.prefill_link
         self._wire_layout = self.layout.to_wire() if self.layout is not None else None
-        self._links: dict[int, PrefillLink] = {}  # decode rank -> its link (prefill_link)
-        self._registrations: dict[int, Register] = {}  # decode rank -> its accepted registration
+        # decode rank -> its link (prefill_link), which holds the registration it accepted
+        self._links: dict[int, PrefillLink] = {}
         self._peer_ranks: dict[str, int] = {}
         self._early_order: deque[tuple[float, int]] = deque()
 
@@ -231,7 +231,8 @@ class PrefillManager(WritePoster):
         elif isinstance(msg, RoomPages):
             if not self._claims(peer, msg.decode_rank, msg):
                 return
-            reg = self._registrations.get(msg.decode_rank)
+            link = self._links.get(msg.decode_rank)
+            reg = link.registration if link is not None else None
             if reg is None:
                 self._room_event(peer, msg.decode_rank, msg)
             else:
@@ -269,10 +270,10 @@ class PrefillManager(WritePoster):
             link = PrefillLink(rank, self.rank, self.page_bytes, self.aux_slot_bytes, self._wire_layout)
             self._link_machine.create(link, self.clock())
             self._links[rank] = link
+        before = link.registration
         actions = self._link_machine.step(link, RegistrationReceived(msg), self.clock())
         if link.state == "Ready":
-            if self._registrations.get(rank) != msg:
-                self._registrations[rank] = msg
+            if before != msg:
                 if self.layout is not None and msg.layout is not None:
                     theirs = KVLayout.from_wire(msg.layout)  # (the link's guard proved it can)
                     mapping = RankMap(self.layout.num_kv_heads, self.layout.tp_size, theirs.tp_size, self.layout.mla)
@@ -281,7 +282,6 @@ class PrefillManager(WritePoster):
             self._peer_names[rank] = peer
             self._peer_ranks[peer] = rank
         else:
-            self._registrations.pop(rank, None)
             self._planners.pop(rank, None)
             self.telemetry.count("registrations_refused")
             log.warning("prefill%d: refused registration from %s: %s", self.rank, peer, link.failure)
@@ -432,7 +432,6 @@ class PrefillManager(WritePoster):
         rank = self._peer_ranks.pop(peer, None)
         if rank is None:
             return
-        self._registrations.pop(rank, None)
         self._planners.pop(rank, None)
         self._links.pop(rank, None)
         self._peer_names.pop(rank, None)
