@@ -63,6 +63,8 @@ MACHINE_PAGES = {
     "decode_room": "docs/decode_room.md",
     "prefill_link": "docs/prefill_link.md",
     "decode_link": "docs/decode_link.md",
+    "prefill_pull": "docs/prefill_pull.md",
+    "decode_pull": "docs/decode_pull.md",
 }
 MESSAGES_PAGE = "docs/messages.md"
 CONFIG_PAGE = "docs/configuration.md"
@@ -237,7 +239,7 @@ def render_machine(spec: ProtocolSpec, m: MachineSpec) -> str:
         _header(f"`spec/{m.name}.toml`"),
         f"# `{m.name}` ({m.side} side)",
         m.summary,
-        f"Protocol `{spec.name}` version {spec.version} ({spec.mode} mode). "
+        f"Protocol `{spec.name}` version {spec.version} ({spec.mode} modes). "
         f"Initial state: `{m.initial}`. On create: {_codes(m.on_create) or 'nothing'}.",
         "## Diagram",
         "Arrows are the rows that change state, labelled `trigger (row ids)`; rows that stay "
@@ -282,7 +284,7 @@ def render_messages(spec: ProtocolSpec) -> str:
     parts = [
         _header("`spec/protocol.toml`, `spec/messages.toml` and `spec/events.toml`"),
         "# Wire messages and events",
-        f"Protocol `{spec.name}`, version {spec.version}, {spec.mode} mode.",
+        f"Protocol `{spec.name}`, version {spec.version}, {spec.mode} modes.",
         spec.summary,
         "## Envelope",
         "A control message is one UTF-8 JSON object, its fields beside the envelope keys:",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfsm.protocol.pages import Pages
-from kvfsm.protocol.wire import AuxWritten, ChunkWritten, Message
+from kvfsm.protocol.wire import AuxWritten, ChunkWritten, Message, ReadsDone
 from kvfsm.records import fast_init
 
 
@@ -49,6 +49,23 @@ class PostAuxWrite:
 
 @fast_init
 @dataclass(frozen=True, slots=True)
+class PostRead:
+    """Read the room's tokens from ``src_pages`` of prefill rank ``src_rank`` into the local
+    ``dst_pages``, then deliver ``notification`` to it. The read must end by ``deadline`` (same
+    clock as ``now``): the runtime refuses it if it cannot, and the transport cancels it there.
+    Report ReadCompleted(src_rank) or ReadFailed."""
+
+    room: int
+    src_rank: int
+    src_pages: Pages
+    dst_pages: Pages
+    tokens: int
+    deadline: float
+    notification: ReadsDone
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
 class SetTimer:
     """(Re-)arm timer ``timer`` of this room to fire at ``deadline`` (same clock as ``now``)."""
 
@@ -78,4 +95,4 @@ class RecordProtocolError:
     reason: str
 
 
-Action = SendMessage | PostWrite | PostAuxWrite | SetTimer | CancelTimer | RecordIgnored | RecordProtocolError
+Action = SendMessage | PostWrite | PostAuxWrite | PostRead | SetTimer | CancelTimer | RecordIgnored | RecordProtocolError

@@ -177,6 +177,66 @@ class AckReceived:
     cause: ClassVar[Cause] = "remote"
 
 
+# ---------------------------------------------------------------- pull mode
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class LeaseClaimed:
+    decode_rank: int
+    epoch: int
+    readers: int
+    tokens: int = 0
+    trigger: ClassVar[str] = "lease_claimed"
+    cause: ClassVar[Cause] = "remote"
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class LeaseGranted:
+    prefill_rank: int
+    epoch: int
+    lease_ms: int
+    pages: Pages
+    tokens: int
+    trigger: ClassVar[str] = "lease_granted"
+    cause: ClassVar[Cause] = "remote"
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class ReadsNotified:
+    decode_rank: int
+    trigger: ClassVar[str] = "reads_notified"
+    cause: ClassVar[Cause] = "remote"
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class LeaseReleased:
+    decode_rank: int
+    reason: str
+    trigger: ClassVar[str] = "lease_released"
+    cause: ClassVar[Cause] = "remote"
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class ReadCompleted:
+    prefill_rank: int
+    trigger: ClassVar[str] = "read_completed"
+    cause: ClassVar[Cause] = "remote"
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class ReadFailed:
+    prefill_rank: int
+    reason: str
+    trigger: ClassVar[str] = "read_failed"
+    cause: ClassVar[Cause] = "remote"
+
+
 Event = (
     ChunkReady
     | PagesAllocated
@@ -195,6 +255,12 @@ Event = (
     | WritesDrained
     | RegistrationReceived
     | AckReceived
+    | LeaseClaimed
+    | LeaseGranted
+    | ReadsNotified
+    | LeaseReleased
+    | ReadCompleted
+    | ReadFailed
 )
 
 EVENT_CLASSES: dict[str, type] = {
@@ -217,6 +283,12 @@ EVENT_CLASSES: dict[str, type] = {
         WritesDrained,
         RegistrationReceived,
         AckReceived,
+        LeaseClaimed,
+        LeaseGranted,
+        ReadsNotified,
+        LeaseReleased,
+        ReadCompleted,
+        ReadFailed,
     )
 }
 

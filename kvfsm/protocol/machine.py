@@ -43,6 +43,7 @@ from kvfsm.protocol.errors import LocalProtocolError, SpecError
 from kvfsm.protocol.events import Event
 from kvfsm.protocol.functions import ACTION_ARGS, ACTIONS, EXPLAIN, GUARDS, ActionFn, Guard, StepContext
 from kvfsm.protocol.links import accept_link  # noqa: F401
+from kvfsm.protocol.pull import claim  # noqa: F401
 from kvfsm.protocol.rooms import DecodeLink, DecodeRoom, PrefillLink, PrefillRoom
 from kvfsm.protocol.spec import MachineSpec, ProtocolSpec, RowSpec, load_spec
 from kvfsm.protocol.wire import Codec
@@ -345,6 +346,9 @@ class Protocol:
         # the handshake of each (prefill rank, decode rank) pair, as each side sees it
         self.prefill_link = RoomMachine(self.spec.machines["prefill_link"], self.spec.kvpoll)
         self.decode_link = RoomMachine(self.spec.machines["decode_link"], self.spec.kvpoll)
+        # pull mode: decode reads prefill's pages under a lease
+        self.prefill_pull = RoomMachine(self.spec.machines["prefill_pull"], self.spec.kvpoll, timeouts.get("prefill_pull"))
+        self.decode_pull = RoomMachine(self.spec.machines["decode_pull"], self.spec.kvpoll, timeouts.get("decode_pull"))
         self.codec = Codec(
             self.spec.version,
             {n: m.fields for n, m in self.spec.messages.items()},

@@ -114,4 +114,58 @@ class DecodeLink:
     last_row: str = ""
 
 
-Room = PrefillRoom | DecodeRoom
+@dataclass(slots=True, eq=False)
+class PullSource:
+    """A prefill rank's room in pull mode (prefill_pull): the engine's pages that hold the room's
+    tokens, pinned while decode may read them."""
+
+    room: int
+    rank: int
+    pages: Pages
+    tokens: int
+    state: str = ""
+    failure: str | None = None
+    timers: set[str] = field(default_factory=set)
+    readers: int = 0  # decode ranks that read this room from this rank (0 until the first claim)
+    claimants: set[int] = field(default_factory=set)  # decode ranks that claimed
+    done: set[int] = field(default_factory=set)  # readers whose reads are over (notified or released)
+    last_row: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """One source's latest grant, as the decode room recorded it."""
+
+    epoch: int
+    lease_s: float
+    pages: Pages
+    tokens: int
+
+
+@dataclass(slots=True, eq=False)
+class PullSink:
+    """A decode rank's room in pull mode (decode_pull): it reads every source's pages into its
+    own once each granted a lease that covers the reads."""
+
+    room: int
+    rank: int
+    kv_pages: int
+    sources: tuple[int, ...]  # prefill ranks this rank reads from
+    readers: int = 1  # decode ranks that read from each of those prefill ranks (this one among them)
+    page_size: int = 1  # tokens per page here
+    source_page_size: int = 1  # tokens per page at the sources
+    tokens: int = 0  # the room's tokens, if known at creation (0: taken from the grants)
+    state: str = ""
+    failure: str | None = None
+    timers: set[str] = field(default_factory=set)
+    pages: Pages | None = None  # the engine's pages, once allocated
+    epoch: int = 0  # the newest claim sent
+    claims: dict[int, float] = field(default_factory=dict)  # epoch -> when its claim was sent
+    grants: dict[int, Grant] = field(default_factory=dict)  # source -> its newest grant
+    lease_end: float = 0.0  # reads posted now must end by then (0: no lease yet)
+    reading: set[int] = field(default_factory=set)  # sources whose read is in flight
+    read: set[int] = field(default_factory=set)  # sources whose read landed
+    last_row: str = ""
+
+
+Room = PrefillRoom | DecodeRoom | PullSource | PullSink

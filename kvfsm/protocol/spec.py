@@ -225,7 +225,14 @@ def load_spec(directory: str | None = None) -> ProtocolSpec:
     if len(ids) != len(set(ids)) or any(type(i) is not int or not 0 < i < 256 for i in ids):
         raise SpecError(f"messages: binary_id must be distinct integers in [1, 255], got {ids}")
     machines = {}
-    for f in ("prefill_room.toml", "decode_room.toml", "prefill_link.toml", "decode_link.toml"):
+    for f in (
+        "prefill_room.toml",
+        "decode_room.toml",
+        "prefill_link.toml",
+        "decode_link.toml",
+        "prefill_pull.toml",
+        "decode_pull.toml",
+    ):
         ms = _load_machine(d / f, kvpoll, set(events))
         machines[ms.name] = ms
     p = proto["protocol"]

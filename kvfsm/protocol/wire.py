@@ -157,11 +157,77 @@ class AuxWritten:
     TYPE: ClassVar[str] = "aux_written"
 
 
-Message = Register | RegisterAck | RoomPages | AbortNotice | RoomFailed | Drained | ChunkWritten | AuxWritten
+@fast_init
+@dataclass(frozen=True, slots=True)
+class LeaseClaim:
+    room: int
+    decode_rank: int
+    epoch: int
+    readers: int
+    tokens: int
+    TYPE: ClassVar[str] = "lease_claim"
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    room: int
+    prefill_rank: int
+    epoch: int
+    lease_ms: int
+    pages: Pages
+    tokens: int
+    TYPE: ClassVar[str] = "lease_grant"
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class LeaseRelease:
+    room: int
+    decode_rank: int
+    reason: str
+    TYPE: ClassVar[str] = "lease_release"
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class ReadsDone:
+    room: int
+    dst: int
+    TYPE: ClassVar[str] = "reads_done"
+
+
+Message = (
+    Register
+    | RegisterAck
+    | RoomPages
+    | AbortNotice
+    | RoomFailed
+    | Drained
+    | ChunkWritten
+    | AuxWritten
+    | LeaseClaim
+    | LeaseGrant
+    | LeaseRelease
+    | ReadsDone
+)
 
 MESSAGE_CLASSES: dict[str, type[Any]] = {
     cls.TYPE: cls
-    for cls in (Register, RegisterAck, RoomPages, AbortNotice, RoomFailed, Drained, ChunkWritten, AuxWritten)
+    for cls in (
+        Register,
+        RegisterAck,
+        RoomPages,
+        AbortNotice,
+        RoomFailed,
+        Drained,
+        ChunkWritten,
+        AuxWritten,
+        LeaseClaim,
+        LeaseGrant,
+        LeaseRelease,
+        ReadsDone,
+    )
 }
 
 

@@ -72,14 +72,15 @@ AUX_SLOTS = 8
 DECODE_PAGES = (10, 11, 12, 13)  # what decode rank 0 allocates in hand-written tests
 DECODE_AUX = 2
 
-# trigger -> cause, for every trigger of either machine (timer triggers are local)
-TIMER_OF_TRIGGER = {t.trigger: t.name for m in SPEC.machines.values() for t in m.timers.values()}
-# (the link machines' own triggers are not room events: tests/protocol/test_links.py covers them)
-_ROOM_TRIGGERS = {t for name in ("prefill_room", "decode_room") for t in SPEC.machines[name].triggers}
+# trigger -> cause, for every trigger of either room machine (timer triggers are local)
+_ROOMS = ("prefill_room", "decode_room")
+TIMER_OF_TRIGGER = {t.trigger: t.name for name in _ROOMS for t in SPEC.machines[name].timers.values()}
+# (the link and pull machines' own triggers are not push room events: tests/protocol/test_links.py
+# and tests/protocol/test_pull.py cover them)
+_ROOM_TRIGGERS = {t for name in _ROOMS for t in SPEC.machines[name].triggers}
+_OTHER_TRIGGERS = {t for name, m in SPEC.machines.items() if name not in _ROOMS for t in m.triggers} - _ROOM_TRIGGERS
 CAUSE = {
-    e.key: e.cause
-    for e in SPEC.events.values()
-    if e.key != "timeout" and (e.key in _ROOM_TRIGGERS or e.key not in {"registration_received", "ack_received"})
+    e.key: e.cause for e in SPEC.events.values() if e.key != "timeout" and e.key not in _OTHER_TRIGGERS
 } | dict.fromkeys(TIMER_OF_TRIGGER, "local")
 ALL_TRIGGERS = tuple(sorted(CAUSE))
 FAILED = SPEC.kvpoll["Failed"]  # KVPoll code of Failed and of Fenced (failed, pages still fenced)

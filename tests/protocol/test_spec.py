@@ -18,10 +18,10 @@ MACHINE_NAMES = ("prefill_room", "decode_room")
 
 
 def test_spec_loads_with_both_room_machines():
-    assert SPEC.name == "kvfsm-push"
-    assert SPEC.mode == "push"
-    assert SPEC.version == 4  # 3: page runs as {"run": [first, count]}; 4: layouts, chunks in tokens
-    assert set(SPEC.machines) == {*MACHINE_NAMES, "prefill_link", "decode_link"}
+    assert SPEC.name == "kvfsm"
+    assert SPEC.mode == "push and pull"
+    assert SPEC.version == 5  # 4: layouts, chunks in tokens; 5: pull mode
+    assert set(SPEC.machines) == {*MACHINE_NAMES, "prefill_link", "decode_link", "prefill_pull", "decode_pull"}
     assert SPEC.machines["prefill_room"].initial == "Bootstrapping.Waiting"
     assert SPEC.machines["decode_room"].initial == "Bootstrapping"
     for m in SPEC.machines.values():
@@ -218,7 +218,7 @@ def _edited_spec(tmp_path: Path, file: str, old: str, new: str) -> str:
 
 
 def test_copied_spec_loads_and_builds(tmp_path):
-    spec = load_spec(_edited_spec(tmp_path, "protocol.toml", 'name = "kvfsm-push"', 'name = "kvfsm-push"'))
+    spec = load_spec(_edited_spec(tmp_path, "protocol.toml", 'name = "kvfsm"', 'name = "kvfsm"'))
     RoomMachine(spec.machines["prefill_room"], spec.kvpoll)
     RoomMachine(spec.machines["decode_room"], spec.kvpoll)
 

@@ -326,7 +326,7 @@ BINARY_NAMES = sorted(n for n, m in SPEC.messages.items() if m.binary_id is not 
 
 def test_the_notifications_and_only_they_have_a_binary_layout():
     assert BINARY_NAMES == sorted(n for n, m in SPEC.messages.items() if m.plane == "notification")
-    assert BINARY_NAMES == ["aux_written", "chunk_written"]
+    assert BINARY_NAMES == ["aux_written", "chunk_written", "reads_done"]
 
 
 @pytest.mark.parametrize("name", sorted(SPEC.messages))
