@@ -199,6 +199,7 @@ class LeaseGranted:
     lease_ms: int
     pages: Pages
     tokens: int
+    page_size: int = 1
     trigger: ClassVar[str] = "lease_granted"
     cause: ClassVar[Cause] = "remote"
 

@@ -367,3 +367,16 @@ class Protocol:
             raise LocalProtocolError(f"unknown timers {sorted(unknown)}; timers are {sorted(known)}")
         mine = {k: v for k, v in timeouts.items() if k in base.timeouts}
         return RoomMachine(base.spec, self.spec.kvpoll, mine)
+
+    def pull_machine_for(self, side: str, timeouts: dict[str, float] | None = None) -> RoomMachine:
+        """The pull-mode machine of ``side``; with ``timeouts`` (timer -> seconds, timers of the
+        other side's pull machine ignored) a separate machine with those deadlines."""
+        base = self.prefill_pull if side == "prefill" else self.decode_pull
+        if not timeouts:
+            return base
+        known = set(self.prefill_pull.timeouts) | set(self.decode_pull.timeouts)
+        unknown = set(timeouts) - known
+        if unknown:
+            raise LocalProtocolError(f"unknown pull timers {sorted(unknown)}; they are {sorted(known)}")
+        mine = {k: v for k, v in timeouts.items() if k in base.timeouts}
+        return RoomMachine(base.spec, self.spec.kvpoll, mine)

@@ -61,7 +61,7 @@ def claim_valid(room: PullSource, ev: LeaseClaimed) -> bool:
     return not _claim_problem(room, ev)
 
 
-EXPLAIN["claim_valid"] = _claim_problem
+EXPLAIN["claim_valid"] = EXPLAIN["invalid claim"] = _claim_problem
 
 
 @guard
@@ -99,7 +99,7 @@ def record_claim(room: PullSource, ev: LeaseClaimed, ctx: StepContext, arg: str)
 def grant(room: PullSource, ev: LeaseClaimed, ctx: StepContext, arg: str) -> None:
     """Answer the claim with the pages, the tokens and the lease's length, echoing its epoch."""
     lease_ms = int(ctx.timeouts["lease"] * 1000)
-    msg = LeaseGrant(room.room, room.rank, ev.epoch, lease_ms, room.pages, room.tokens)
+    msg = LeaseGrant(room.room, room.rank, ev.epoch, lease_ms, room.pages, room.tokens, room.page_size)
     ctx.out.append(SendMessage(ev.decode_rank, msg))
 
 
@@ -134,9 +134,11 @@ def _grant_problem(room: PullSink, ev: LeaseGranted) -> str:
         return "grant of an empty lease"
     if ev.tokens <= 0:
         return "grant of no tokens"
-    need = _pages_for(ev.tokens, room.source_page_size)
+    if ev.page_size <= 0:
+        return "grant of pages of no tokens"
+    need = _pages_for(ev.tokens, ev.page_size)
     if len(ev.pages) != need or not _distinct(ev.pages):
-        return f"{len(ev.pages)} pages for {ev.tokens} tokens of {room.source_page_size} a page (need {need} distinct)"
+        return f"{len(ev.pages)} pages for {ev.tokens} tokens of {ev.page_size} a page (need {need} distinct)"
     for src, g in room.grants.items():
         if src != ev.prefill_rank and g.tokens != ev.tokens:
             return f"prefill rank {ev.prefill_rank} grants {ev.tokens} tokens, rank {src} {g.tokens}"
@@ -160,7 +162,7 @@ def grant_valid(room: PullSink, ev: LeaseGranted) -> bool:
     return not _grant_problem(room, ev)
 
 
-EXPLAIN["grant_valid"] = _grant_problem
+EXPLAIN["grant_valid"] = EXPLAIN["invalid grant"] = _grant_problem
 
 
 @guard
@@ -193,7 +195,7 @@ def pull_pages_ok(room: PullSink, ev: PagesAllocated) -> bool:
     return not _pages_problem(room, ev)
 
 
-EXPLAIN["pull_pages_ok"] = _pages_problem
+EXPLAIN["pull_pages_ok"] = EXPLAIN["invalid pages"] = _pages_problem
 
 
 @guard
@@ -228,7 +230,7 @@ def claim(room: PullSink, ev: Any, ctx: StepContext, arg: str) -> None:
 
 @action("record_grant")
 def record_grant(room: PullSink, ev: LeaseGranted, ctx: StepContext, arg: str) -> None:
-    room.grants[ev.prefill_rank] = Grant(ev.epoch, ev.lease_ms / 1000, ev.pages, ev.tokens)
+    room.grants[ev.prefill_rank] = Grant(ev.epoch, ev.lease_ms / 1000, ev.pages, ev.tokens, ev.page_size)
     if not room.tokens:
         room.tokens = ev.tokens
 
@@ -285,7 +287,9 @@ def _release(room: PullSink, src: int, ctx: StepContext) -> None:
 @action("release_idle")
 def release_idle(room: PullSink, ev: Any, ctx: StepContext, arg: str) -> None:
     """Tell every source whose read is neither in flight nor landed that we are done with it
-    (a landed read's notification already told its source)."""
+    (a landed read's notification already told its source). Nothing before the first claim."""
+    if not room.epoch:
+        return
     for src in room.sources:
         if src not in room.reading and src not in room.read:
             _release(room, src, ctx)

@@ -123,6 +123,7 @@ class PullSource:
     rank: int
     pages: Pages
     tokens: int
+    page_size: int = 1  # tokens per page (1 where the rank declared no layout)
     state: str = ""
     failure: str | None = None
     timers: set[str] = field(default_factory=set)
@@ -140,6 +141,7 @@ class Grant:
     lease_s: float
     pages: Pages
     tokens: int
+    page_size: int = 1  # tokens per page at the source
 
 
 @dataclass(slots=True, eq=False)
@@ -153,7 +155,6 @@ class PullSink:
     sources: tuple[int, ...]  # prefill ranks this rank reads from
     readers: int = 1  # decode ranks that read from each of those prefill ranks (this one among them)
     page_size: int = 1  # tokens per page here
-    source_page_size: int = 1  # tokens per page at the sources
     tokens: int = 0  # the room's tokens, if known at creation (0: taken from the grants)
     state: str = ""
     failure: str | None = None

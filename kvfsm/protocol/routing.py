@@ -35,10 +35,26 @@ from kvfsm.protocol.events import (
     ChunkArrived,
     Event,
     FailureReceived,
+    LeaseClaimed,
+    LeaseGranted,
+    LeaseReleased,
     PagesAnnounced,
+    ReadsNotified,
     WritesDrained,
 )
-from kvfsm.protocol.wire import AbortNotice, AuxWritten, ChunkWritten, Drained, Message, RoomFailed, RoomPages
+from kvfsm.protocol.wire import (
+    AbortNotice,
+    AuxWritten,
+    ChunkWritten,
+    Drained,
+    LeaseClaim,
+    LeaseGrant,
+    LeaseRelease,
+    Message,
+    ReadsDone,
+    RoomFailed,
+    RoomPages,
+)
 
 # What a rank knows of a room id.
 LIVE: Final = "live"
@@ -95,6 +111,7 @@ STASH: Final = Route("stash")
 _LATE: Final = Route("drop", "late_for_cleared_room")
 _LATE_DRAINED: Final = Route("drop", "late_for_cleared_room", ("drained",))
 _LATE_FAILED: Final = Route("drop", "late_for_cleared_room", ("room_failed", "drained"))
+_LATE_CLAIM: Final = Route("drop", "late_for_cleared_room", ("room_failed",))
 _UNKNOWN: Final = Route("drop", "unknown_room")
 _OVERFLOW: Final = Route("drop", "early_overflow")
 _GONE: Final = Route("drop", "completion_for_gone_room")
@@ -122,6 +139,8 @@ def route_message(known: str, side: str, msg_type: str, *, stash_full: bool = Fa
             return _LATE_DRAINED
         if msg_type == "room_pages" and known != CLEARED:
             return _LATE_FAILED
+        if msg_type == "lease_claim" and known != CLEARED:
+            return _LATE_CLAIM  # (pull mode: no write of ours is in its pages; only the failure)
         return _LATE
     return _UNKNOWN if known == UNKNOWN else _LATE
 
@@ -158,6 +177,8 @@ def message_event(
             return FailureReceived(msg.prefill_rank, msg.reason)
         if isinstance(msg, Drained):
             return WritesDrained(msg.prefill_rank)
+        if isinstance(msg, LeaseGrant):
+            return LeaseGranted(msg.prefill_rank, msg.epoch, msg.lease_ms, msg.pages, msg.tokens, msg.page_size)
         return None
     if isinstance(msg, RoomPages):
         return PagesAnnounced(
@@ -172,6 +193,12 @@ def message_event(
         )
     if isinstance(msg, AbortNotice):
         return AbortReceived(msg.rank, msg.side, msg.reason)
+    if isinstance(msg, LeaseClaim):
+        return LeaseClaimed(msg.decode_rank, msg.epoch, msg.readers, msg.tokens)
+    if isinstance(msg, ReadsDone):
+        return ReadsNotified(msg.dst)
+    if isinstance(msg, LeaseRelease):
+        return LeaseReleased(msg.decode_rank, msg.reason)
     return None
 
 
@@ -240,6 +267,8 @@ def expire(routing: Routing, room: int, rank: int, stash: tuple[Event, ...] | li
             sends += ((ev.dest_rank, RoomFailed(room, rank, reason)), (ev.dest_rank, Drained(room, rank)))
         elif isinstance(ev, AbortReceived) and ev.side == "decode":
             sends.append((ev.rank, Drained(room, rank)))
+        elif isinstance(ev, LeaseClaimed):  # pull mode: the claimant waits for a grant
+            sends.append((ev.decode_rank, RoomFailed(room, rank, reason)))
     return Expiry(UNKNOWN if routing.forget_expired else EXPIRED, tuple(sends))
 
 

@@ -177,6 +177,7 @@ class LeaseGrant:
     lease_ms: int
     pages: Pages
     tokens: int
+    page_size: int
     TYPE: ClassVar[str] = "lease_grant"
 
 

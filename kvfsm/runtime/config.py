@@ -31,6 +31,16 @@ class RuntimeConfig:
         check=_timeouts,
         must="a dict of timer names to positive seconds",
     )
+    pull_timeouts: dict[str, float] = setting(
+        default_factory=dict,
+        doc="Pull mode: overrides of the pull machines' timer defaults in seconds, by timer name "
+        "(prefill: claim, lease; decode: bootstrap, renew, window, read), e.g. {'lease': 10.0}. "
+        "Keep renew well below the lease, and the read window below it too.",
+        when="Reads that take longer than the read window allows (raise lease and window), or a "
+        "prefill engine short of memory (a shorter lease frees the pages of a dead decode sooner).",
+        check=_timeouts,
+        must="a dict of timer names to positive seconds",
+    )
     workers: int = setting(
         _WORKERS,
         doc="Transfer worker threads of a prefill rank that post writes; 0 runs every transfer job "

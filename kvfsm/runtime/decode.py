@@ -5,23 +5,27 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvfsm.layout import KVLayout, Planner
 from kvfsm.layout.mapping import RankMap
 from kvfsm.protocol import LocalProtocolError, Protocol, fastpath
 from kvfsm.protocol.events import AckReceived, ChunkArrived, PagesAllocated, PeerLost, PeersReady
-from kvfsm.protocol.rooms import DecodeLink, DecodeRoom
+from kvfsm.protocol.actions import PostRead
+from kvfsm.protocol.rooms import DecodeLink, DecodeRoom, PullSink
 from kvfsm.protocol.routing import message_event
 from kvfsm.protocol.wire import (
     AbortNotice,
     AuxWritten,
     ChunkWritten,
     Drained,
+    LeaseGrant,
     Message,
     Register,
     RegisterAck,
     RoomFailed,
 )
-from kvfsm.runtime.manager import Manager, RoomHandle, log
+from kvfsm.runtime.manager import Manager, RoomHandle, RoomRuntime, log
 from kvfsm.runtime.pages import as_index, as_pages
+from kvfsm.runtime.pull import READ, KVPuller, post_read, read_completed
 
 
 class KVReceiver(RoomHandle):
@@ -84,6 +88,8 @@ class DecodeManager(Manager):
             per_head = self.layout.num_layers * self.layout.num_kv * self.layout.vector_bytes
             self._token_bytes = {p: per_head * len(self.mapping.heads(p, self.tp_rank)) for p in self._peer_names}
         self._next_register = 0.0
+        # pull mode: prefill rank -> plans from its layout into ours (from its register_ack)
+        self._planners: dict[int, Planner] = {}
 
     def connect(self) -> None:
         """Start the handshake with every prefill peer (re-sent until acknowledged)."""
@@ -108,28 +114,60 @@ class DecodeManager(Manager):
         as the rank mapping between the two TP groups says (``kvfsm.layout.RankMap``: the
         prefill ranks that send this rank heads, however many decode ranks each feeds); without
         one, the prefill rank of the same number, feeding this rank alone (equal TP)."""
-        mapping = self.mapping
-        if sources is None:
-            sources = mapping.sources_of(self.tp_rank) if mapping is not None else (self.rank,)
-        else:
-            sources = tuple(as_index(s, "a source rank") for s in sources)
-        if required_dests is None:
-            required_dests = len(mapping.dests_of(sources[0])) if mapping is not None and sources else 1
-        required_dests = as_index(required_dests, "required_dests")
-        unknown = [s for s in sources if s not in self._peer_names]
-        if not sources or unknown:
-            raise LocalProtocolError(f"sources {unknown or '()'} are not prefill peers of decode rank {self.rank}")
+        sources, required_dests = self._sources(sources, required_dests)
         with self._lock:
             decode_room = DecodeRoom(
                 room, self.rank, self.kv_pages, self.aux_slots, sources, required_dests, self.page_size
             )
             self._new_room(room, decode_room)
-            broken = [s for s in sources if self._links[s].state in ("Refused", "Lost")]
-            if broken:
-                self._dispatch(room, PeerLost(broken[0], self._links[broken[0]].failure or "link down"))
-            elif all(self._links[s].state == "Ready" for s in sources):
-                self._dispatch(room, PeersReady())
+            self._link_news(room, sources)
         return KVReceiver(self, room)
+
+    def create_puller(
+        self,
+        room: int,
+        sources: tuple[int, ...] | None = None,
+        readers: int | None = None,
+        tokens: int | None = None,
+    ) -> KVPuller:
+        """Pull mode: create room ``room``, which reads its KV from prefill ranks ``sources``
+        (``readers``: how many decode ranks read from each of them; defaults as
+        ``create_receiver``'s). ``tokens``: the request's tokens, if known (a grant or the pages
+        that disagree fail the room). The claims go out once every source's link is ready."""
+        sources, readers = self._sources(sources, readers)
+        n = 0 if tokens is None else as_index(tokens, "tokens")
+        with self._lock:
+            self._new_room(
+                room,
+                PullSink(room, self.rank, self.kv_pages, sources, readers, self.page_size, n),
+                self.pull_machine,
+            )
+            self._link_news(room, sources)
+        return KVPuller(self, room)
+
+    def _sources(self, sources: tuple[int, ...] | None, fan_out: int | None) -> tuple[tuple[int, ...], int]:
+        """A room's sources and how many decode ranks each feeds, defaults filled in (see
+        ``create_receiver``); LocalProtocolError for a rank that is not a prefill peer."""
+        mapping = self.mapping
+        if sources is None:
+            sources = mapping.sources_of(self.tp_rank) if mapping is not None else (self.rank,)
+        else:
+            sources = tuple(as_index(s, "a source rank") for s in sources)
+        if fan_out is None:
+            fan_out = len(mapping.dests_of(sources[0])) if mapping is not None and sources else 1
+        fan_out = as_index(fan_out, "required_dests")
+        unknown = [s for s in sources if s not in self._peer_names]
+        if not sources or unknown:
+            raise LocalProtocolError(f"sources {unknown or '()'} are not prefill peers of decode rank {self.rank}")
+        return sources, fan_out
+
+    def _link_news(self, room: int, sources: tuple[int, ...]) -> None:
+        """Tell a new room what its sources' links already say: one is down, or all are ready."""
+        broken = [s for s in sources if self._links[s].state in ("Refused", "Lost")]
+        if broken:
+            self._dispatch(room, PeerLost(broken[0], self._links[broken[0]].failure or "link down"))
+        elif all(self._links[s].state == "Ready" for s in sources):
+            self._dispatch(room, PeersReady())
 
     # ------------------------------------------------------------------ handshake
 
@@ -161,6 +199,15 @@ class DecodeManager(Manager):
     def _peer_name(self, rank: int) -> str | None:
         return self._peer_names.get(rank)
 
+    def _post_read(self, rt: RoomRuntime, action: PostRead) -> None:
+        post_read(self, rt, action)
+
+    def _on_completion(self, tag: object, ok: bool, reason: str) -> None:
+        if type(tag) is tuple and len(tag) == 3 and tag[0] == READ:
+            read_completed(self, tag, ok, reason)
+        else:
+            self._count_drop("unexpected_completion", f"of {tag!r}")
+
     # ------------------------------------------------------------------ inbound
 
     def _on_message(self, peer: str, kind: str, msg: Message) -> None:
@@ -175,7 +222,7 @@ class DecodeManager(Manager):
                 self._count_drop("wrong_sender", f"{msg.TYPE} claiming src {msg.src} from {peer}")
             elif (rt := self._room_for_message(msg.room, msg.TYPE)) is not None:
                 event = message_event("decode", msg)
-                if type(event) is ChunkArrived:
+                if type(event) is ChunkArrived and type(rt.room) is DecodeRoom:
                     if self._fast_ok() and fastpath.arrival(rt.room, event):
                         # row D8 applied directly (fastpath): arm the transfer timer as its action does
                         self._timers.set(msg.room, fastpath.TIMER, self.clock() + self._transfer_s)
@@ -191,10 +238,11 @@ class DecodeManager(Manager):
             (isinstance(msg, AbortNotice) and msg.side == "prefill" and msg.rank == rank)
             or (isinstance(msg, RoomFailed) and msg.prefill_rank == rank)
             or (isinstance(msg, Drained) and msg.prefill_rank == rank)
+            or (isinstance(msg, LeaseGrant) and msg.prefill_rank == rank)
         ):
             if self._room_for_message(msg.room, msg.TYPE) is not None:
                 event = message_event("decode", msg)
-                assert event is not None  # (an abort, room_failed or drained message)
+                assert event is not None  # (an abort, room_failed, drained or lease_grant message)
                 self._dispatch(msg.room, event)
         else:
             self._count_drop("unexpected_message", f"{msg.TYPE} from {peer}")
@@ -216,9 +264,13 @@ class DecodeManager(Manager):
             self._fail_rooms_of(rank, link.failure or "link refused")
             return
         self.telemetry.count("links_ready")
+        if self.layout is not None and msg.layout is not None:
+            theirs = KVLayout.from_wire(msg.layout)  # (the link's guard proved it can)
+            mapping = RankMap(theirs.num_kv_heads, theirs.tp_size, self.layout.tp_size, theirs.mla)
+            self._planners[rank] = Planner(theirs, self.layout, mapping)
         for rid, rt in list(self._rooms.items()):
             room = rt.room
-            if room.state == "Bootstrapping" and rank in room.sources:
+            if room.state in ("Bootstrapping", "Linking") and rank in room.sources:
                 if all(self._links[s].state == "Ready" for s in room.sources):
                     self._dispatch(rid, PeersReady())
 

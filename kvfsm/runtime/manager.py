@@ -47,8 +47,8 @@ from kvfsm.protocol import (
     UnsupportedVersion,
     fastpath,
 )
+from kvfsm.protocol.actions import PostRead
 from kvfsm.protocol.machine import RoomMachine
-from kvfsm.protocol.rooms import DecodeRoom, PrefillRoom
 from kvfsm.protocol.routing import EARLY, LIVE, ROUTING, UNKNOWN, Create, Routing, cleared, create, route_message
 from kvfsm.protocol.wire import Codec, Message
 from kvfsm.runtime.config import RuntimeConfig
@@ -67,7 +67,8 @@ __all__ = ["Manager", "RoomHandle", "RoomRuntime", "RuntimeConfig"]
 
 @dataclass(slots=True)
 class RoomRuntime:
-    room: Any  # PrefillRoom | DecodeRoom
+    room: Any  # PrefillRoom | DecodeRoom, or in pull mode PullSource | PullSink
+    machine: RoomMachine  # the machine that steps it (push or pull)
     created: float
     state_since: float
     started: float | None = None  # first write posted (prefill) / pages announced (decode)
@@ -142,6 +143,7 @@ class Manager:
         protocol = protocol or Protocol()
         self.protocol = protocol
         self.machine: RoomMachine = protocol.machine_for(self.side, self.config.timeouts)
+        self.pull_machine: RoomMachine = protocol.pull_machine_for(self.side, self.config.pull_timeouts)
         # the rows taken once per chunk or write, applied directly (kvfsm.protocol.fastpath)
         # where this machine's rows are exactly those; off, every event takes the generic step
         self.fast_rows = fastpath.applies(self.machine)
@@ -206,7 +208,8 @@ class Manager:
         """KVPoll code of ``room``; also fires due timers (as SGLang checks deadlines in poll)."""
         self.tick()
         with self._lock:
-            return self.machine.kvpoll(self._get(room).room)
+            rt = self._get(room)
+            return rt.machine.kvpoll(rt.room)
 
     def wait(self, rooms: Iterable[int], until: int = 4, timeout: float | None = None) -> list[int]:
         """Block until every room in ``rooms`` has reached KVPoll ``until`` (default Success) or
@@ -226,7 +229,7 @@ class Manager:
         with self._changed:
             while True:
                 self.tick()
-                codes = [self.machine.kvpoll(self._get(r).room) for r in rooms]
+                codes = [rt.machine.kvpoll(rt.room) for rt in map(self._get, rooms)]
                 if all(c >= until or c == 0 for c in codes):
                     return codes
                 waits = []
@@ -340,9 +343,10 @@ class Manager:
             return tomb[0]
         return EARLY if rid in self._early else UNKNOWN
 
-    def _new_room(self, rid: int, room: PrefillRoom | DecodeRoom) -> Create:
-        """Create room ``rid``'s machine, as ``routing.create`` decides over what is known of the
-        id; the decision is returned for the caller to carry out the rest (abort, replay)."""
+    def _new_room(self, rid: int, room: Any, machine: RoomMachine | None = None) -> Create:
+        """Create room ``rid``'s machine (``machine``, default the push one), as
+        ``routing.create`` decides over what is known of the id; the decision is returned for
+        the caller to carry out the rest (abort, replay)."""
         if type(rid) is not int or not 0 <= rid <= MAX_ROOM_ID:
             raise LocalProtocolError(f"room id must be an integer in [0, 2**63): {rid!r}")
         decision = create(self._known(rid))
@@ -356,10 +360,11 @@ class Manager:
             )
         self._tombstones.pop(rid, None)  # an expiry tombstone: the room now exists, and fails (decision.abort)
         now = self.clock()
-        self._rooms[rid] = RoomRuntime(room, now, now)
+        machine = machine or self.machine
+        self._rooms[rid] = RoomRuntime(room, machine, now, now)
         self._expect_traffic()
         self.telemetry.count("rooms_created")
-        self._execute(self._rooms[rid], self.machine.create(room, now), now)
+        self._execute(self._rooms[rid], machine.create(room, now), now)
         return decision
 
     def _local(self, rid: int, event: Event) -> None:
@@ -410,7 +415,7 @@ class Manager:
     def _step(self, rt: RoomRuntime, event: Event) -> None:
         now = self.clock()
         before = rt.room.state
-        actions = self.machine.step(rt.room, event, now)
+        actions = rt.machine.step(rt.room, event, now)
         if rt.room.state != before:
             self._state_changed(rt, before, now)
         self._execute(rt, actions, now)
@@ -473,6 +478,10 @@ class Manager:
                     # carried out; a lost message is what the protocol's timers already cover.
                     self._count_drop("send_error", f"{a.message.TYPE} to rank {a.peer_rank}: {exc!r}")
                     log.error("%s%d room %d: sending %s failed: %r", self.side, self.rank, rid, a.message.TYPE, exc)
+            elif isinstance(a, PostRead):
+                if rt.started is None:
+                    rt.started = now
+                self._post_read(rt, a)
             elif isinstance(a, RecordIgnored):
                 self.telemetry.count("ignored")
                 log.debug("%s%d room %d: ignored %s", self.side, self.rank, rid, a.reason)
@@ -484,6 +493,9 @@ class Manager:
 
     def _post(self, rt: RoomRuntime, action: PostWrite | PostAuxWrite) -> None:
         raise LocalProtocolError(f"{self.side} rooms do not write")
+
+    def _post_read(self, rt: RoomRuntime, action: PostRead) -> None:
+        raise LocalProtocolError(f"{self.side} rooms do not read")
 
     def _peer_name(self, rank: int) -> str | None:
         raise NotImplementedError

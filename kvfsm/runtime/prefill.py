@@ -19,7 +19,7 @@ from kvfsm.protocol.events import (
     WriteFailed,
 )
 from kvfsm.protocol.pages import Pages, run_of
-from kvfsm.protocol.rooms import PrefillLink, PrefillRoom
+from kvfsm.protocol.rooms import PrefillLink, PrefillRoom, PullSource
 from kvfsm.protocol.routing import (
     DISPATCH,
     EXPIRED,
@@ -30,10 +30,21 @@ from kvfsm.protocol.routing import (
     route_completion,
     route_message,
 )
-from kvfsm.protocol.wire import AbortNotice, ChunkWritten, Message, Register, RegisterAck, RoomPages
+from kvfsm.protocol.wire import (
+    AbortNotice,
+    ChunkWritten,
+    LeaseClaim,
+    LeaseRelease,
+    Message,
+    ReadsDone,
+    Register,
+    RegisterAck,
+    RoomPages,
+)
 from kvfsm.runtime.manager import RoomHandle, RoomRuntime, log
 from kvfsm.runtime.pages import as_index, as_pages
 from kvfsm.runtime.posting import WritePoster
+from kvfsm.runtime.pull import KVOffer, offer
 from kvfsm.transport.base import Inbound
 
 
@@ -81,6 +92,14 @@ class PrefillManager(WritePoster):
                 for _peer, event in self._early.pop(room):
                     self._dispatch(room, event)
         return KVSender(self, room)
+
+    def create_offer(self, room: int, pages: Sequence[int] | Any, tokens: int | None = None) -> KVOffer:
+        """Pull mode: offer room ``room``, whose KV is complete in ``pages`` (they hold
+        ``tokens`` exactly; None: every token of them), to the decode ranks that will read it.
+        Claims that arrived for it earlier are applied now. Keep the pages while the offer's
+        ``pages_in_use()``; raises LocalProtocolError for pages outside the region or that do
+        not hold the tokens."""
+        return offer(self, room, pages, tokens)
 
     def send_many(self, chunks: Iterable[Sequence[Any]]) -> None:
         """Hand over several rooms' next chunks at once: an engine's batch (every room of a
@@ -135,7 +154,7 @@ class PrefillManager(WritePoster):
         LocalProtocolError, the room unchanged)."""
         with self._lock:
             rt = self._rooms.get(rid)
-            if rt is not None and self.fast_rows and not self._draining and not self._queue:
+            if rt is not None and rt.machine is self.machine and self.fast_rows and not self._draining and not self._queue:
                 before = rt.room.state
                 done = fastpath.chunk(rt.room, pages, is_last, aux_slot)
                 if done is not None:
@@ -225,7 +244,10 @@ class PrefillManager(WritePoster):
 
     def _on_message(self, peer: str, kind: str, msg: Message) -> None:
         if kind != "message":
-            self._count_drop("unexpected_notification", f"{msg.TYPE} from {peer}")
+            if isinstance(msg, ReadsDone) and self._claims(peer, msg.dst, msg):
+                self._room_event(peer, msg.dst, msg)  # pull mode: a decode rank's read completed
+            else:
+                self._count_drop("unexpected_notification", f"{msg.TYPE} from {peer}")
         elif isinstance(msg, Register):
             self._on_register(peer, msg)
         elif isinstance(msg, RoomPages):
@@ -242,6 +264,9 @@ class PrefillManager(WritePoster):
             if msg.side != "decode" or not self._claims(peer, msg.rank, msg):
                 return
             self._room_event(peer, msg.rank, msg)
+        elif isinstance(msg, LeaseClaim | LeaseRelease):
+            if self._claims(peer, msg.decode_rank, msg):
+                self._room_event(peer, msg.decode_rank, msg)
         else:
             self._count_drop("unexpected_message", f"{msg.TYPE} from {peer}")
 
@@ -294,7 +319,7 @@ class PrefillManager(WritePoster):
         self,
         peer: str,
         sender: int,
-        msg: RoomPages | AbortNotice,
+        msg: RoomPages | AbortNotice | LeaseClaim | LeaseRelease | ReadsDone,
         kv_pages: int = 0,
         aux_slots: int = 0,
         page_size: int = 1,
@@ -304,7 +329,7 @@ class PrefillManager(WritePoster):
         per page, for an announcement)."""
         rid = msg.room
         event = message_event("prefill", msg, kv_pages, aux_slots, page_size)
-        assert event is not None  # (a room_pages or abort message)
+        assert event is not None  # (a room_pages, abort or pull-mode message)
         full = len(self._early) >= self.config.max_early_rooms
         route = route_message(self._known(rid), "prefill", msg.TYPE, stash_full=full)
         if route is DISPATCH:
@@ -436,5 +461,6 @@ class PrefillManager(WritePoster):
         self._links.pop(rank, None)
         self._peer_names.pop(rank, None)
         for rid, rt in list(self._rooms.items()):
-            if rank in rt.room.dests:
+            room = rt.room
+            if rank in (room.claimants if type(room) is PullSource else room.dests):
                 self._dispatch(rid, PeerLost(rank, reason))

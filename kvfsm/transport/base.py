@@ -298,9 +298,19 @@ class DataPlane(Protocol):
         posting comes back as a completion with ``ok=False``."""
         ...
 
-    def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
+    def read(
+        self,
+        peer: str,
+        region: Region,
+        segments: Sequence[Segment],
+        notification: bytes,
+        tag: object,
+        within_s: float | None = None,
+    ) -> int:
         """Copy ``segments`` (``src`` offset at ``peer``, ``dst`` local offset) from ``peer``'s
-        ``region`` into ours; then notify ``peer`` and complete ``tag`` to us. Errors as ``write``."""
+        ``region`` into ours; then notify ``peer`` and complete ``tag`` to us. Errors as ``write``.
+        ``within_s``: a read still in flight this long after its post is cancelled (no byte of
+        it moves any more) and completes as failed: pull mode's reads end by their lease."""
         ...
 
     def close(self) -> None: ...
@@ -418,8 +428,16 @@ class SplitEndpoint:
     def write(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self.data.write(peer, region, segments, notification, tag)
 
-    def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
-        return self.data.read(peer, region, segments, notification, tag)
+    def read(
+        self,
+        peer: str,
+        region: Region,
+        segments: Sequence[Segment],
+        notification: bytes,
+        tag: object,
+        within_s: float | None = None,
+    ) -> int:
+        return self.data.read(peer, region, segments, notification, tag, within_s)
 
     def expect_traffic(self, on: bool) -> None:
         """Pass the hint on to a data plane that offers ``expect_traffic``."""

@@ -576,7 +576,16 @@ class LoopbackEndpoint:
         """``write`` of one segment (``DataPlane``'s optional ``write_run``)."""
         return self.fabric._write(self, peer, region, [Segment(src, dst, length)], notification, tag)
 
-    def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
+    def read(
+        self,
+        peer: str,
+        region: Region,
+        segments: Sequence[Segment],
+        notification: bytes,
+        tag: object,
+        within_s: float | None = None,
+    ) -> int:
+        """(``within_s`` holds trivially: the bytes move inside the call.)"""
         return self.fabric._read(self, peer, region, segments, notification, tag)
 
     def inject(self, peer: str, inbound: Inbound) -> None:

@@ -72,6 +72,7 @@ class _Job:
     # of several buffers, which merge_rows must not join either (two buffers adjacent in memory
     # are two registrations to NIXL)
     region: str = ""
+    within_s: float | None = None  # a read with a deadline: cancelled if still in flight this long after its post
 
 
 @dataclass(slots=True)
@@ -83,6 +84,7 @@ class _Xfer:
     op: str
     posted: float
     nbytes: int
+    expires: float = float("inf")  # still in flight then: cancelled, its tags complete as failed
 
 
 def run_job(route: _Route, peer: str, region: str, src: int, dst: int, n: int, note: bytes, tag: object) -> _Job | None:

@@ -232,8 +232,8 @@ class _Poller(_PlaneState):
             state, reason = self.agent.check_xfer_state(handle), ""
         except self._nixl_errors as exc:
             state, reason = "ERR", f"{type(exc).__name__}: {exc}"
-        if state == "PROC" and now - x.posted > self._xfer_timeout_s:
-            state, reason = "ERR", f"no completion within {self._xfer_timeout_s}s"
+        if state == "PROC" and now > x.expires:
+            state, reason = "ERR", f"no completion within {x.expires - x.posted:.3f}s (cancelled)"
             self.stats["timeouts"] += 1
         if state != "PROC":
             del self._inflight[handle]

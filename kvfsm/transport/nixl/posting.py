@@ -50,8 +50,18 @@ class _Posting(_PlaneState):
     def write(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
         return self._post(self._job("WRITE", peer, region, segments, notification, tag))
 
-    def read(self, peer: str, region: Region, segments: Sequence[Segment], notification: bytes, tag: object) -> int:
-        return self._post(self._job("READ", peer, region, segments, notification, tag))
+    def read(
+        self,
+        peer: str,
+        region: Region,
+        segments: Sequence[Segment],
+        notification: bytes,
+        tag: object,
+        within_s: float | None = None,
+    ) -> int:
+        job = self._job("READ", peer, region, segments, notification, tag)
+        job.within_s = within_s
+        return self._post(job)
 
     def write_run(
         self, peer: str, region: Region, src: int, dst: int, length: int, notification: bytes, tag: object
@@ -414,7 +424,10 @@ class _Posting(_PlaneState):
             self._ready += [Inbound("completion", first.peer, tag=t, ok=False, reason=reason) for t in tags]
             return
         total = first.total if one else sum(j.total for j in group)
-        self._inflight[handle] = _Xfer(tags, first.peer, first.op, time.monotonic(), total)
+        posted = time.monotonic()
+        limits = [j.within_s for j in group if j.within_s is not None]
+        expires = posted + min([self._xfer_timeout_s, *limits])
+        self._inflight[handle] = _Xfer(tags, first.peer, first.op, posted, total, expires)
         self.stats["writes" if first.op == "WRITE" else "reads"] += len(group)
         self.stats["transfers"] += 1
         self.stats["bytes_posted"] += total
