@@ -95,4 +95,6 @@ class RecordProtocolError:
     reason: str
 
 
-Action = SendMessage | PostWrite | PostAuxWrite | PostRead | SetTimer | CancelTimer | RecordIgnored | RecordProtocolError
+Action = (
+    SendMessage | PostWrite | PostAuxWrite | PostRead | SetTimer | CancelTimer | RecordIgnored | RecordProtocolError
+)

@@ -347,7 +347,9 @@ class Protocol:
         self.prefill_link = RoomMachine(self.spec.machines["prefill_link"], self.spec.kvpoll)
         self.decode_link = RoomMachine(self.spec.machines["decode_link"], self.spec.kvpoll)
         # pull mode: decode reads prefill's pages under a lease
-        self.prefill_pull = RoomMachine(self.spec.machines["prefill_pull"], self.spec.kvpoll, timeouts.get("prefill_pull"))
+        self.prefill_pull = RoomMachine(
+            self.spec.machines["prefill_pull"], self.spec.kvpoll, timeouts.get("prefill_pull")
+        )
         self.decode_pull = RoomMachine(self.spec.machines["decode_pull"], self.spec.kvpoll, timeouts.get("decode_pull"))
         self.codec = Codec(
             self.spec.version,

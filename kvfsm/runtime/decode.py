@@ -8,8 +8,8 @@ from typing import Any
 from kvfsm.layout import KVLayout, Planner
 from kvfsm.layout.mapping import RankMap
 from kvfsm.protocol import LocalProtocolError, Protocol, fastpath
-from kvfsm.protocol.events import AckReceived, ChunkArrived, PagesAllocated, PeerLost, PeersReady
 from kvfsm.protocol.actions import PostRead
+from kvfsm.protocol.events import AckReceived, ChunkArrived, PagesAllocated, PeerLost, PeersReady
 from kvfsm.protocol.rooms import DecodeLink, DecodeRoom, PullSink
 from kvfsm.protocol.routing import message_event
 from kvfsm.protocol.wire import (

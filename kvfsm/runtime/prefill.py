@@ -154,7 +154,13 @@ class PrefillManager(WritePoster):
         LocalProtocolError, the room unchanged)."""
         with self._lock:
             rt = self._rooms.get(rid)
-            if rt is not None and rt.machine is self.machine and self.fast_rows and not self._draining and not self._queue:
+            if (
+                rt is not None
+                and rt.machine is self.machine
+                and self.fast_rows
+                and not self._draining
+                and not self._queue
+            ):
                 before = rt.room.state
                 done = fastpath.chunk(rt.room, pages, is_last, aux_slot)
                 if done is not None:

@@ -371,6 +371,18 @@ class Endpoint(Protocol):
         byte is written* if a segment lies outside either registered region or the peer is dead."""
         ...
 
+    def read(
+        self,
+        peer: str,
+        region: Region,
+        segments: Sequence[Segment],
+        notification: bytes,
+        tag: object,
+        within_s: float | None = None,
+    ) -> int:
+        """Copy ``segments`` from ``peer``'s ``region`` into ours (``DataPlane.read``)."""
+        ...
+
 
 def check_segments(segments: Sequence[Segment], local: int, remote: int, what: str) -> int:
     """Bounds-check segments (``src`` within ``local`` bytes, ``dst`` within ``remote``); returns

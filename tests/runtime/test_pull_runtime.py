@@ -230,9 +230,7 @@ def test_every_head_vector_is_read_from_its_source(tp, ps, td, pd, orders, heads
     mapping = net.mapping()
     rng = random.Random(2)
     for rid, tokens in enumerate((ps * 3 + 5, pd + 1, 7)):
-        src_pages = {
-            p: rng.sample(range(lay.num_pages), -(-tokens // lay.page_size)) for p, lay in enumerate(net.src)
-        }
+        src_pages = {p: rng.sample(range(lay.num_pages), -(-tokens // lay.page_size)) for p, lay in enumerate(net.src)}
         dst_pages = {d: rng.sample(range(lay.num_pages), -(-tokens // lay.page_size)) for d, lay in enumerate(net.dst)}
         offers = [net.prefill[p].create_offer(rid, src_pages[p], tokens) for p in range(tp) if mapping.dests_of(p)]
         pullers = [m.create_puller(rid, tokens=tokens) for m in net.decode]
