@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from pull_kit import (
     DEC,
     LEASE,
     LEASE_MS,
     PRE,
+    PROTOCOL,
     ROOM,
     TAKEN,
     Driven,
@@ -34,6 +36,7 @@ from pull_kit import (
 )
 
 from kvfsm.protocol import LocalProtocolError, RecordIgnored
+from kvfsm.protocol.actions import PostRead
 from kvfsm.protocol.events import (
     Abort,
     Clear,
@@ -52,6 +55,7 @@ from kvfsm.protocol.pull import LEASE_SKEW
 from kvfsm.protocol.wire import LeaseClaim, LeaseGrant, LeaseRelease, ReadsDone, RoomFailed
 
 SCENARIOS: list[Callable[[], None]] = []
+KVPOLL = PROTOCOL.spec.kvpoll
 WINDOW = DEC.timeouts["window"]  # decode's read budget
 GRACE = DEC.timeouts["read"]  # the read timer's grace past the reads' deadline
 RENEW = DEC.timeouts["renew"]
@@ -99,7 +103,7 @@ def ignored(actions) -> bool:
 def test_prefill_grants_a_claim_extends_on_heartbeats_and_succeeds_on_the_notification():
     p = source()
     assert p.state == "Offered" and timers_set(p.last) == {"claim": PRE.timeouts["claim"]}
-    assert PRE.kvpoll(p.room) == PRE.kvpoll(p.room)  # (a status in every state before Cleared)
+    assert PRE.kvpoll(p.room) == KVPOLL["WaitingForInput"]
     out = p.step(claim(1, 1, 1, TOKENS), 2.0)
     assert p.state == "Leased" and p.room.last_row == "Q2"
     assert timers_cancelled(out) == {"claim"} and timers_set(out) == {"lease": 2.0 + LEASE}
@@ -111,8 +115,7 @@ def test_prefill_grants_a_claim_extends_on_heartbeats_and_succeeds_on_the_notifi
     assert p.state == "Success" and p.room.last_row == "Q7" and timers_cancelled(out) == {"lease"}
     assert p.room.timers == set() and p.room.failure is None
     out = p.step(claim(1, 3, 1), 13.0)  # a heartbeat that crossed the notification
-    assert p.room.last_row == "Q5" and ignored(out)
-    assert p.room.last_row == "Q5" and p.state == "Success"
+    assert p.room.last_row == "Q5" and ignored(out) and p.state == "Success"
     for ev, row in [
         (ReadsNotified(1), "Q6"),
         (LeaseReleased(1, "late"), "Q6"),
@@ -190,7 +193,10 @@ def test_prefill_lease_expiry_fails_the_room_and_frees_it():
     out = p.fire("lease")
     assert p.now == 5.0 + LEASE and p.state == "Failed" and p.room.last_row == "Q16"
     assert p.room.failure == "lease expired: lease timer expired in Leased" and p.room.timers == set()
-    assert sorted(messages(out, RoomFailed)) == [(1, RoomFailed(ROOM, 0, p.room.failure)), (2, RoomFailed(ROOM, 0, p.room.failure))]
+    assert sorted(messages(out, RoomFailed)) == [
+        (1, RoomFailed(ROOM, 0, p.room.failure)),
+        (2, RoomFailed(ROOM, 0, p.room.failure)),
+    ]
     cleared(p)
 
 
@@ -295,14 +301,12 @@ def test_decode_claims_every_source_reads_under_the_lease_and_succeeds():
     assert timers_set(out) == {"window": pytest.approx(29.7 - WINDOW)}
     out = d.step(pages(10, 11, 12), 1.0)
     assert d.state == "Reading" and d.room.last_row == "A2" and timers_cancelled(out) == {"renew"}
-    assert reads(out) == [
-        type(reads(out)[0])(ROOM, 0, PAGES, (10, 11, 12), TOKENS, d.room.lease_end, ReadsDone(ROOM, 1))
-    ]
+    assert reads(out) == [PostRead(ROOM, 0, PAGES, (10, 11, 12), TOKENS, d.room.lease_end, ReadsDone(ROOM, 1))]
     assert timers_set(out) == {"read": pytest.approx(29.7 + GRACE)}
     assert ignored(d.step(ReadCompleted(5), 1.5)) and d.room.last_row == "R1"  # not a read in flight
     out = d.step(ReadCompleted(0), 2.0)
     assert d.state == "Success" and d.room.last_row == "R2" and d.room.timers == set() and messages(out) == []
-    assert DEC.kvpoll(d.room) == PRE.kvpoll(type("R", (), {"state": "Success"})())
+    assert DEC.kvpoll(d.room) == KVPOLL["Success"]
     assert ignored(d.step(ReadCompleted(0), 2.1)) and d.room.last_row == "R1"
     assert ignored(d.step(grant(0, 1), 2.2)) and d.room.last_row == "G1"
     cleared(d, 3.0)
@@ -351,13 +355,13 @@ def test_decode_renews_its_claim_while_the_pages_are_outstanding():
 @scenario
 def test_decode_posts_no_read_after_the_window_closed_until_a_newer_grant():
     d = granted()
+    while d.armed["renew"] < d.armed["window"]:  # the renewals' grants are lost
+        d.fire("renew")
     d.fire("window")
     assert d.room.last_row == "H2" and d.state == "Granted" and d.now == pytest.approx(29.7 - WINDOW)
     out = d.step(pages(10, 11, 12), 25.0)
     assert d.room.last_row == "A3" and d.state == "Granted" and reads(out) == []
-    d.fire("renew")  # renew fires at 5, 10, ... and each is answered? here every answer but the last was lost
-    while d.now < 25.0:
-        d.fire("renew")
+    d.fire("renew")  # sent at 25.0; this one is answered
     epoch = d.room.epoch
     out = d.step(grant(0, epoch), d.now + 0.1)
     assert d.room.last_row == "G4" and d.state == "Reading"
@@ -398,7 +402,9 @@ def test_decode_a_failed_read_fails_the_room_and_releases_the_sources_whose_read
     assert {r.src_rank for r in reads(out)} == {0, 1, 2}
     d.step(ReadCompleted(0), 2.0)  # landed: its notification told source 0
     out = d.step(ReadFailed(1, "fabric error"), 2.5)
-    assert d.state == "Failed" and d.room.last_row == "R4" and d.room.failure == "read failed: read_failed: fabric error"
+    assert (
+        d.state == "Failed" and d.room.last_row == "R4" and d.room.failure == "read failed: read_failed: fabric error"
+    )
     assert messages(out) == [(1, LeaseRelease(ROOM, 1, d.room.failure))]  # not 0 (landed), not 2 (in flight)
     clear_refused(d, 3.0)
     out = d.step(ReadFailed(2, "cancelled"), 4.0)
@@ -437,7 +443,9 @@ def test_decode_abort_before_the_reads_releases_every_source():
 def test_decode_a_sources_failure_or_loss_fails_the_room():
     d = granted((0, 1))
     out = d.step(FailureReceived(1, "prefill aborted"), 1.0)
-    assert d.state == "Failed" and d.room.last_row == "F2" and d.room.failure == "peer: failure_received: prefill aborted"
+    assert (
+        d.state == "Failed" and d.room.last_row == "F2" and d.room.failure == "peer: failure_received: prefill aborted"
+    )
     assert [p for p, _ in messages(out, LeaseRelease)] == [0, 1] and d.room.timers == set()
     d = reading((0, 1))
     out = d.step(PeerLost(0, "prefill 0 died"), 2.0)
@@ -531,7 +539,9 @@ def test_decode_bounds_the_lease_by_the_oldest_epoch_every_source_granted():
     out = d.step(grant(0, 3), 10.5)  # only one source granted epoch 3: nothing moves
     assert d.room.lease_end == pytest.approx(34.7) and timers_set(out) == {}
     out = d.step(grant(1, 3), 10.6)
-    assert d.room.lease_end == pytest.approx(10.0 + 29.7) and timers_set(out) == {"window": pytest.approx(39.7 - WINDOW)}
+    assert d.room.lease_end == pytest.approx(10.0 + 29.7) and timers_set(out) == {
+        "window": pytest.approx(39.7 - WINDOW)
+    }
     out = d.step(pages(10, 11, 12), 11.0)
     assert [r.deadline for r in reads(out)] == [d.room.lease_end, d.room.lease_end]
     assert timers_set(out) == {"read": pytest.approx(39.7 + GRACE)}
@@ -561,7 +571,10 @@ def test_an_invalid_claim_fails_the_room(claims, reason):
     for i, c in enumerate(claims):
         out = p.step(c, 1.0 + i)
     assert p.state == "Failed" and p.room.last_row == "Q1" and p.room.failure.startswith("invalid claim")
-    assert messages(out, LeaseGrant) == [] and (claims[-1].decode_rank, RoomFailed(ROOM, 0, p.room.failure)) in messages(out)
+    assert messages(out, LeaseGrant) == [] and (
+        claims[-1].decode_rank,
+        RoomFailed(ROOM, 0, p.room.failure),
+    ) in messages(out)
 
 
 @pytest.mark.xfail(
@@ -586,14 +599,26 @@ def test_an_invalid_claim_says_why(claims, reason):
 
 
 GRANT_CASES = [  # (sink kwargs, grants, reason)
-    (dict(source_page_size=16), [grant(0, pages=(1, 2, 3, 4), tokens=70)], "4 pages for 70 tokens of 16 a page (need 5 distinct)"),
+    (
+        dict(source_page_size=16),
+        [grant(0, pages=(1, 2, 3, 4), tokens=70)],
+        "4 pages for 70 tokens of 16 a page (need 5 distinct)",
+    ),
     (dict(source_page_size=16), [grant(0, pages=(1, 2, 3, 4, 5, 6), tokens=70)], "6 pages for 70 tokens"),
-    (dict(source_page_size=16), [grant(0, pages=(1, 2, 3, 3, 4), tokens=70)], "5 pages for 70 tokens of 16 a page (need 5 distinct)"),
-    (dict(sources=(0, 1)), [grant(0), grant(1, tokens=4, pages=(1, 2, 3, 4))], "prefill rank 1 grants 4 tokens, rank 0 3"),
+    (
+        dict(source_page_size=16),
+        [grant(0, pages=(1, 2, 3, 3, 4), tokens=70)],
+        "5 pages for 70 tokens of 16 a page (need 5 distinct)",
+    ),
+    (
+        dict(sources=(0, 1)),
+        [grant(0), grant(1, tokens=4, pages=(1, 2, 3, 4))],
+        "prefill rank 1 grants 4 tokens, rank 0 3",
+    ),
     (dict(tokens=4), [grant(0)], "grant of 3 tokens, decode expects 4"),
     (dict(), [grant(0, lease_ms=0)], "grant of an empty lease"),
     (dict(), [grant(0, tokens=0, pages=())], "grant of no tokens"),
-    (dict(), [grant(0, 2)], "grant of epoch 2, newest claim 1"),
+    (dict(), [grant(0, 2)], "grant of epoch 2"),
 ]
 
 
@@ -738,10 +763,12 @@ def test_a_grant_of_epoch_zero_fails_the_room():
 )
 def test_a_partial_renewal_does_not_post_reads_after_the_window_closed():
     d = granted((0, 1))  # lease_end 29.7, window closes at 24.7
+    while d.armed["renew"] < d.armed["window"]:  # the renewals' grants are lost
+        d.fire("renew")
     d.fire("window")
     d.step(pages(10, 11, 12), 25.0)
     assert d.state == "Granted" and d.room.last_row == "A3"
-    while d.now < 30.0:  # the renewals' grants from source 1 are lost
+    while d.now < 30.0:  # source 1's grants of the renewals are still lost; source 0 answers the last
         d.fire("renew")
     out = d.step(grant(0, d.room.epoch), d.now + 0.1)
     assert d.now > d.room.lease_end  # every read posted now is due in the past
@@ -770,6 +797,7 @@ _RANDOM = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+_FIND = settings(_RANDOM, phases=[Phase.generate])  # (a known bug found is enough: no shrinking)
 DT = st.sampled_from([0.0, 0.5, 3.0, 12.0])
 
 
@@ -778,32 +806,40 @@ def _at(d: Driven, dt: float, due: dict[str, float]) -> float:
     return min([d.now + dt, *[max(d.now, t) for t in due.values()]])
 
 
+def _next(d: Driven, timers: list[str]) -> str:
+    """The timer that fires next: the runtime fires them in their deadlines' order."""
+    return min(timers, key=lambda t: (d.armed[t], t))
+
+
 def _prefill_sequence(data: st.DataObject, known_bugs: bool) -> None:
     readers = data.draw(st.sampled_from([1, 2]), "readers")
     p = source()
     granted_at: dict[int, float] = {}  # decode rank -> when it was last granted
+    late = 0
+    bad = 6 if known_bugs else 1  # invalid claims fail a room in Offered with its claim timer armed
     for _ in range(data.draw(st.integers(1, 30), "steps")):
         before = p.state
-        timers = sorted(t for t in p.armed if known_bugs or not (before == "Failed" and t == "claim"))
-        kind = data.draw(st.sampled_from(["claim"] * 3 + ["notify", "release", "lost", "abort", "clear"] + ["timer"] * len(timers)))
-        rank = data.draw(st.sampled_from([1, 2, 3]))
+        timers = [t for t in p.armed if known_bugs or not (before == "Failed" and t == "claim")]
+        kinds = ["claim"] * 4 + ["notify"] * 3 + ["release", "lost", "abort", "clear"] + ["timer"] * len(timers)
+        kind = data.draw(st.sampled_from(kinds))
+        rank = data.draw(st.sampled_from([*range(1, readers + 1)] * 6 + [3]))
         if kind == "timer":
-            name = data.draw(st.sampled_from(timers))
+            name = _next(p, timers)
             event, now = TimerFired(name), max(p.now, p.armed[name])
         else:
-            event = {
-                "claim": lambda: LeaseClaimed(
-                    rank,
-                    data.draw(st.integers(1, 4)),
-                    data.draw(st.sampled_from([readers, readers, readers, 0, 3 - readers])),
-                    data.draw(st.sampled_from([0, TOKENS, TOKENS, TOKENS + 1])),
-                ),
-                "notify": lambda: ReadsNotified(rank),
-                "release": lambda: LeaseReleased(rank, "gave up"),
-                "lost": lambda: PeerLost(rank, "died"),
-                "abort": lambda: Abort(),
-                "clear": lambda: Clear(),
-            }[kind]()
+            event: Any
+            if kind == "claim":
+                epoch = data.draw(st.integers(1, 4))
+                n = data.draw(st.sampled_from([readers] * 16 + [0, 3 - readers] * bad))
+                event = LeaseClaimed(rank, epoch, n, data.draw(st.sampled_from([0] * 4 + [TOKENS] * 12 + [TOKENS + 1])))
+            elif kind == "notify":
+                event = ReadsNotified(rank)
+            elif kind == "release":
+                event = LeaseReleased(rank, "gave up")
+            elif kind == "lost":
+                event = PeerLost(rank, "died")
+            else:
+                event = Abort() if kind == "abort" else Clear()
             now = _at(p, data.draw(DT), p.armed)
         lease_armed = "lease" in p.armed
         try:
@@ -828,16 +864,23 @@ def _prefill_sequence(data: st.DataObject, known_bugs: bool) -> None:
                 assert r in p.room.done or now >= t + LEASE, (r, t, now)
             return
         PRE.kvpoll(p.room)
+        if p.state in ("Success", "Failed") and not p.armed:
+            late += 1  # a few late events, then on to the next sequence
+            if late > 3:
+                return
 
 
-@pytest.mark.parametrize(
-    "known_bugs",
-    [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="claim timer in Failed (see above)"))],
-)
 @_RANDOM
 @given(data=st.data())
-def test_prefill_random_sequences_keep_the_lease_and_the_timers_honest(known_bugs, data):
-    _prefill_sequence(data, known_bugs)
+def test_prefill_random_sequences_keep_the_lease_and_the_timers_honest(data):
+    _prefill_sequence(data, known_bugs=False)
+
+
+@pytest.mark.xfail(strict=True, reason="the claim timer of a room failed in Offered (see above): drop with the fix")
+@_FIND
+@given(data=st.data())
+def test_prefill_random_sequences_find_the_known_bug(data):
+    _prefill_sequence(data, known_bugs=True)
 
 
 def _decode_sequence(data: st.DataObject, known_bugs: bool) -> None:
@@ -851,16 +894,18 @@ def _decode_sequence(data: st.DataObject, known_bugs: bool) -> None:
     inflight: dict[int, float] = {}  # source -> its read's deadline
     landed: set[int] = set()
     released: set[int] = set()
+    late = 0
     for _ in range(data.draw(st.integers(1, 30), "steps")):
         before = d.state
-        timers = sorted(d.armed)
-        choices = ["grant"] * 4 + ["pages"] * 2 + ["abort", "clear", "peer", "stray"] + ["timer"] * len(timers)
-        choices += ["land", "cancel"] * len(inflight)
+        timers = list(d.armed)
+        # weighted towards the events that lead on (valid grants and pages, timers, reads landing)
+        choices = ["grant"] * 8 + ["pages"] * 3 + ["abort", "clear", "peer", "stray"] + ["timer"] * 2 * len(timers)
+        choices += ["land"] * 4 * len(inflight) + ["cancel"] * len(inflight)
         kind = data.draw(st.sampled_from(choices))
         due = d.armed | {f"read {s}": t for s, t in inflight.items()}
         now = _at(d, data.draw(DT), due)
         if kind == "timer":
-            name = data.draw(st.sampled_from(timers))
+            name = _next(d, timers)
             event, now = TimerFired(name), max(d.now, d.armed[name])
         elif kind in ("land", "cancel"):
             s = data.draw(st.sampled_from(sorted(inflight)))
@@ -869,14 +914,16 @@ def _decode_sequence(data: st.DataObject, known_bugs: bool) -> None:
             else:
                 event = ReadCompleted(s)
         elif kind == "grant":
-            s = data.draw(st.sampled_from([*sources, 9]))
-            lo = 0 if known_bugs else 1
-            epoch = data.draw(st.integers(lo, d.room.epoch + 1))
-            p = data.draw(st.sampled_from([src_pages[s]] * 4 + [src_pages[s][:-1], (1, 1, *src_pages[s][2:])]))
-            event = LeaseGranted(s, epoch, data.draw(st.sampled_from([30_000, 20_000])), p, data.draw(st.sampled_from([tokens] * 4 + [24])))
+            s = data.draw(st.sampled_from([*sources] * 4 + [9]))
+            never = [0] * 8 if known_bugs else []  # epoch 0 was never claimed
+            epoch = data.draw(st.sampled_from([d.room.epoch] * 12 + never + list(range(1, d.room.epoch + 2))))
+            good = src_pages[s]
+            p = data.draw(st.sampled_from([good] * 16 + [good[:-1] or (1, 2), (1, 1, *good[2:])]))
+            lease_ms = data.draw(st.sampled_from([30_000] * 3 + [20_000]))
+            event = LeaseGranted(s, epoch, lease_ms, p, data.draw(st.sampled_from([tokens] * 16 + [24])))
         elif kind == "pages":
-            p = data.draw(st.sampled_from([dst] * 3 + [(*dst[:-1], 64), dst[:1] * 2, dst[:-1] or (1, 2)]))
-            event = PagesAllocated(p, 0, data.draw(st.sampled_from([0, tokens, tokens])))
+            p = data.draw(st.sampled_from([dst] * 12 + [(*dst[:-1], 64), dst[:1] * 2, dst[:-1] or (1, 2)]))
+            event = PagesAllocated(p, 0, data.draw(st.sampled_from([0] + [tokens] * 8)))
         elif kind == "peer":
             s = data.draw(st.sampled_from(sources))
             event = data.draw(st.sampled_from([FailureReceived(s, "failed"), PeerLost(s, "died")]))
@@ -921,16 +968,23 @@ def _decode_sequence(data: st.DataObject, known_bugs: bool) -> None:
         if d.state == "Failed" and not inflight:
             assert landed | released == set(sources)  # every source freed or told: nothing leaks
         DEC.kvpoll(d.room)
+        if d.state in ("Success", "Failed") and not inflight:
+            late += 1  # a few late events, then on to the next sequence
+            if late > 3:
+                return
 
 
-@pytest.mark.parametrize(
-    "known_bugs",
-    [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="grant of epoch 0 (see above)"))],
-)
 @_RANDOM
 @given(data=st.data())
-def test_decode_random_sequences_read_only_under_a_granted_lease(known_bugs, data):
-    _decode_sequence(data, known_bugs)
+def test_decode_random_sequences_read_only_under_a_granted_lease(data):
+    _decode_sequence(data, known_bugs=False)
+
+
+@pytest.mark.xfail(strict=True, reason="grant of epoch 0, reads after the window (see above): drop with the fixes")
+@_FIND
+@given(data=st.data())
+def test_decode_random_sequences_find_the_known_bugs(data):
+    _decode_sequence(data, known_bugs=True)
 
 
 # ====================================================================== coverage
