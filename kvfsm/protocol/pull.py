@@ -128,8 +128,8 @@ def tell_readers(room: PullSource, ev: Any, ctx: StepContext, arg: str) -> None:
 
 
 def _grant_problem(room: PullSink, ev: LeaseGranted) -> str:
-    if ev.epoch > room.epoch:
-        return f"grant of epoch {ev.epoch}, newest claim {room.epoch}"
+    if ev.epoch not in room.claims:  # (older epochs than open_window keeps are stale: G1)
+        return f"grant of epoch {ev.epoch}, never claimed (newest claim {room.epoch})"
     if ev.lease_ms <= 0:
         return "grant of an empty lease"
     if ev.tokens <= 0:
@@ -168,6 +168,20 @@ EXPLAIN["grant_valid"] = EXPLAIN["invalid grant"] = _grant_problem
 @guard
 def grants_complete_after(room: PullSink, ev: LeaseGranted) -> bool:
     return set(room.sources) <= set(room.grants) | {ev.prefill_rank}
+
+
+def _lease_end(room: PullSink, grants: dict[int, Grant]) -> float:
+    """The lease's end for decode with ``grants`` (every source's newest; see open_window)."""
+    oldest = min(g.epoch for g in grants.values())
+    return room.claims[oldest] + min(g.lease_s for g in grants.values()) * (1 - LEASE_SKEW)
+
+
+@guard
+def lease_extended_after(room: PullSink, ev: LeaseGranted) -> bool:
+    """With this grant recorded, the lease ends later than the one the room has (the first
+    complete set of grants, or a renewal every source has now granted)."""
+    g = Grant(ev.epoch, ev.lease_ms / 1000, ev.pages, ev.tokens, ev.page_size)
+    return _lease_end(room, room.grants | {ev.prefill_rank: g}) > room.lease_end
 
 
 @guard
@@ -241,8 +255,7 @@ def open_window(room: PullSink, ev: Any, ctx: StepContext, arg: str) -> None:
     epoch's claim plus the shortest lease (less the skew); the window closes the read budget
     before that."""
     oldest = min(g.epoch for g in room.grants.values())
-    length = min(g.lease_s for g in room.grants.values())
-    end = room.claims[oldest] + length * (1 - LEASE_SKEW)
+    end = _lease_end(room, room.grants)
     for e in [e for e in room.claims if e < oldest]:
         del room.claims[e]
     if end <= room.lease_end:

@@ -6,5 +6,15 @@ from kvfsm.runtime.config import RuntimeConfig
 from kvfsm.runtime.decode import DecodeManager, KVReceiver
 from kvfsm.runtime.pages import coalesce
 from kvfsm.runtime.prefill import KVSender, PrefillManager
+from kvfsm.runtime.pull import KVOffer, KVPuller
 
-__all__ = ["DecodeManager", "KVReceiver", "KVSender", "PrefillManager", "RuntimeConfig", "coalesce"]
+__all__ = [
+    "DecodeManager",
+    "KVOffer",
+    "KVPuller",
+    "KVReceiver",
+    "KVSender",
+    "PrefillManager",
+    "RuntimeConfig",
+    "coalesce",
+]

@@ -211,6 +211,25 @@ class Engine:
         results: list[dict[str, Any]] = out["outputs"]
         return results
 
+    def generate_aborting(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        kv_transfer_params: Sequence[dict[str, Any] | None],
+        abort: Sequence[int],
+        after_steps: int,
+        timeout: float = _REQUEST_TIMEOUT,
+    ) -> list[dict[str, Any]]:
+        """As ``generate``, stepping the engine itself, and aborting the prompts at indices
+        ``abort`` right after its ``after_steps``-th step (an aborted prompt's tokens are what it
+        had then). Per prompt also ``"aborted"``."""
+        out = self.call(
+            timeout, op="generate_aborting", prompts=[list(p) for p in prompts], max_tokens=max_tokens,
+            kv=list(kv_transfer_params), abort=list(abort), after_steps=after_steps,
+        )  # fmt: skip
+        results: list[dict[str, Any]] = out["outputs"]
+        return results
+
     def kill(self, grace: float = 5.0) -> None:
         """SIGTERM the engine's process group, then SIGKILL what is left after ``grace``
         seconds (vLLM unlinks its /dev/shm queues on SIGTERM; SIGKILL alone leaks them)."""
@@ -409,7 +428,7 @@ def _serve(args: argparse.Namespace) -> int:
         if op == "quit":
             _emit({"bye": True})
             break
-        if op != "generate":
+        if op not in ("generate", "generate_aborting"):
             _emit({"error": f"unknown op {op!r}"})
             continue
         try:
@@ -425,6 +444,9 @@ def _serve(args: argparse.Namespace) -> int:
                 for kv in kvs
             ]
             t = time.monotonic()
+            if op == "generate_aborting":
+                _emit(_generate_aborting(llm, cmd, sps))
+                continue
             outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sps, use_tqdm=False)
             _emit(
                 {
@@ -444,6 +466,29 @@ def _serve(args: argparse.Namespace) -> int:
             _emit({"error": f"{type(e).__name__}: {e}"})
     del llm
     return 0
+
+
+def _generate_aborting(llm: Any, cmd: dict[str, Any], sps: list[Any]) -> dict[str, Any]:
+    """``generate_aborting``: the requests added to the engine, stepped here, and those named in
+    ``cmd["abort"]`` aborted after the ``cmd["after_steps"]``-th step."""
+    engine = llm.llm_engine
+    tag = f"abort{time.monotonic_ns()}"
+    ids = [f"{tag}-{i}" for i in range(len(cmd["prompts"]))]
+    for rid, p, sp in zip(ids, cmd["prompts"], sps, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    aborted = [ids[i] for i in cmd["abort"]]
+    got: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got[o.request_id] = list(o.outputs[0].token_ids) if o.outputs else []
+        steps += 1
+        if steps == cmd["after_steps"]:
+            engine.abort_request(aborted)
+    return {
+        "outputs": [{"tokens": got.get(rid, []), "aborted": rid in aborted} for rid in ids],
+        "steps": steps,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import pytest
 
 from kvfsm.config import ConfigError
 from kvfsm.connectors.vllm.config import VllmConnectorConfig
-from kvfsm.connectors.vllm.scheduler import ParamsError, PrefillAddress, SchedulerSide, room_of
+from kvfsm.connectors.vllm.scheduler import PrefillAddress, SchedulerSide, room_of
 
 BS = 32
 
@@ -95,12 +95,37 @@ def test_an_abort_while_receiving_aborts_the_room_and_vllm_keeps_the_blocks():
 
 @pytest.mark.parametrize(
     ("change", "words"),
-    [({"kvfsm": 9}, "version 9"), ({"kvfsm_prefill_names": []}, "non-empty"), ({"kvfsm_bootstrap": 5}, "string")],
-)
-def test_malformed_params_are_refused_with_the_reason(change, words):
+    [({"kvfsm": 9}, "version 9"), ({"kvfsm_prefill_names": []}, "non-empty"), ({"kvfsm_bootstrap": 5}, "string"),
+     ({"transfer_mode": "teleport"}, "teleport")],
+)  # fmt: skip
+def test_malformed_params_leave_the_prompt_to_decode_with_the_reason_logged(change, words, caplog):
     s = SchedulerSide(VllmConnectorConfig(), BS, "D")
-    with pytest.raises(ParamsError, match=words):
-        s.matched_tokens(Req("d1", [1, 2], decode_params(**change)), 0)
+    assert s.matched_tokens(Req("d1", [1, 2], decode_params(**change)), 0) == (0, False)
+    assert words in caplog.text
+    assert not s.pending()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_the_transfer_mode_is_chosen_per_request_and_travels_in_the_params(mode):
+    s = prefill()  # its default: push
+    _, params = s.finished(Req("p", list(range(40)), {"do_remote_decode": True, "transfer_mode": mode}), [1, 2], True)
+    assert params is not None and params["transfer_mode"] == mode
+    assert s.take_plan().sends[0].mode == mode
+    d = SchedulerSide(VllmConnectorConfig(), BS, "D")
+    r = Req("d", list(range(40)), params)
+    d.matched_tokens(r, 0)
+    d.allocated(r, [5, 6], 40)
+    assert d.take_plan().recvs[0].mode == mode
+
+
+def test_the_configured_mode_is_the_default_and_a_bad_one_keeps_no_kv(caplog):
+    s = SchedulerSide(VllmConnectorConfig(transfer_mode="pull"), BS, "P")
+    s.set_workers({0: ("tcp://127.0.0.1:5555", "n")})
+    _, params = s.finished(Req("p", [1, 2, 3], {"do_remote_decode": True}), [1], True)
+    assert params is not None and params["transfer_mode"] == "pull"
+    delay, params = s.finished(Req("q", [1, 2, 3], {"do_remote_decode": True, "transfer_mode": "x"}), [2], True)
+    assert not delay and params is not None and "'x'" in params["kvfsm_error"]
+    assert [send.req_id for send in s.take_plan().sends] == ["p"]
 
 
 def test_the_extra_config_is_validated_and_unknown_keys_refused():

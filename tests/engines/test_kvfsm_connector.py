@@ -35,26 +35,28 @@ def pair(model: str) -> Iterator[PDPair]:
         yield p
 
 
-def test_push_equals_a_single_engine_token_for_token(
-    pair: PDPair, prompts: list[list[int]], reference: list[list[int]]
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_disaggregated_equals_a_single_engine_token_for_token(
+    pair: PDPair, prompts: list[list[int]], reference: list[list[int]], mode: str
 ) -> None:
-    params = pair.prefill(prompts, transfer_mode="push")
+    params = pair.prefill(prompts, transfer_mode=mode)
     for p, kv in zip(prompts, params, strict=True):
-        assert kv["do_remote_prefill"] is True and kv["transfer_mode"] == "push"
+        assert kv["do_remote_prefill"] is True and kv["transfer_mode"] == mode
         assert kv["remote_num_tokens"] == len(p) and kv["kvfsm"] == 1
     assert pair.decode(prompts, params, MAX_TOKENS) == reference
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
 def test_the_kv_is_used_swapped_rooms_change_the_tokens(
-    pair: PDPair, prompts: list[list[int]], reference: list[list[int]]
+    pair: PDPair, prompts: list[list[int]], reference: list[list[int]], mode: str
 ) -> None:
     """Negative control: each decode request given the other prompt's room (same length) must
     not reproduce the reference; with its own room, in the same run, it does."""
     a, b = prompts[-2], prompts[-1]
-    pa, pb = pair.prefill([a, b])
+    pa, pb = pair.prefill([a, b], transfer_mode=mode)
     swapped = pair.decode([a, b], [pb, pa], MAX_TOKENS)
     assert swapped[0] != reference[-2] and swapped[1] != reference[-1]
-    pa, pb = pair.prefill([a, b])
+    pa, pb = pair.prefill([a, b], transfer_mode=mode)
     assert pair.decode([a, b], [pa, pb], MAX_TOKENS) == [reference[-2], reference[-1]]
 
 
@@ -106,6 +108,24 @@ def test_a_decode_leg_that_never_comes_lets_prefill_free_its_blocks(
     assert small.decode([big], params, MAX_TOKENS) == [reference[0]]
     late = small.decode([big], [orphans[0]], MAX_TOKENS)
     assert late == [[]], "a decode leg whose prefill blocks were freed must fail, not decode on stale KV"
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_decode_requests_aborted_mid_transfer_let_prefill_free_their_blocks(
+    small: PDPair, prompts: list[list[int]], reference: list[list[int]], mode: str
+) -> None:
+    """Three decode legs are aborted right after the engine's first step (their transfers just
+    started, or about to): prefill's rooms conclude and free the blocks (released by decode, or
+    at the latest on prefill's own timers), so a request that needs them runs; the decode
+    engine keeps serving."""
+    big = prompts[0]
+    params = small.prefill([big, big, big], transfer_mode=mode)
+    t0 = time.monotonic()
+    outs = small.decode_engine.generate_aborting([big] * 3, MAX_TOKENS, params, abort=[0, 1, 2], after_steps=1)
+    assert all(o["aborted"] and len(o["tokens"]) < MAX_TOKENS for o in outs), outs
+    fresh = small.prefill([big], transfer_mode=mode, timeout=HOLD_S + 60)  # needs the aborted legs' blocks
+    assert time.monotonic() - t0 < HOLD_S + 30
+    assert small.decode([big], fresh, MAX_TOKENS) == [reference[0]]
 
 
 def test_a_killed_prefill_engine_fails_the_decode_request_within_its_bounds(

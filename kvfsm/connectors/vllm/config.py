@@ -10,6 +10,7 @@ from typing import Any
 from kvfsm.config import ConfigError, non_negative_int, one_of, positive, positive_int, setting, validate
 
 _HOLD_S = 60.0
+_LEASE_S = 30.0
 _TRANSFER_S = 60.0
 _BOOTSTRAP_S = 30.0
 _AUX_SLOTS = 1024
@@ -42,15 +43,29 @@ class VllmConnectorConfig:
     transfer_mode: str = setting(
         "push",
         doc="push: decode registers the request's blocks with prefill, which writes the KV into them "
-        "(vLLM PR 35264's order). A request's kv_transfer_params['transfer_mode'] overrides it.",
-        when="Only push is offered so far.",
-        check=one_of("push"),
-        must="'push'",
+        "as soon as both are there (vLLM PR 35264's order). pull: prefill holds the request's blocks "
+        "under a lease and decode reads them (vLLM's default), the lease extended by decode's "
+        "heartbeats and every read due before it ends. A prefill request's "
+        "kv_transfer_params['transfer_mode'] overrides it for that request.",
+        when="pull where decode engines allocate late and prefill should keep nothing pinned for "
+        "decodes that are gone (the lease ends seconds after a decode dies); push otherwise.",
+        check=one_of("push", "pull"),
+        must="'push' or 'pull'",
+    )
+    lease_s: float = setting(
+        _LEASE_S,
+        doc="Pull: prefill holds a request's blocks this long after decode's last claim or heartbeat; "
+        "decode renews it every sixth of it and posts no read once less than a third of it remains.",
+        when="Shorter to free the blocks of dead decode engines sooner; longer for reads that take "
+        "seconds (very large prompts over a slow network).",
+        check=positive,
+        must="a number of seconds > 0",
     )
     hold_timeout_s: float = setting(
         _HOLD_S,
         doc="Prefill: how long a finished request's blocks stay held for its decode request to "
-        "register its blocks; then they are freed and the decode request fails.",
+        "register its blocks (push) or claim them (pull); then they are freed and the decode "
+        "request fails.",
         when="Longer where decode engines queue requests for long before allocating their blocks.",
         check=positive,
         must="a number of seconds > 0",

@@ -2,8 +2,8 @@
 workers are told each step. No vLLM import: it reads a request's ``request_id``,
 ``prompt_token_ids``, ``kv_transfer_params`` and ``status``, and takes block ids as lists.
 
-Theory of operation (push mode, as vLLM PR 35264 orders it)
------------------------------------------------------------
+Theory of operation (push mode, as vLLM PR 35264 orders it; pull below)
+-----------------------------------------------------------------------
 Prefill engine, request r with ``{"do_remote_decode": true}``: r runs its prompt and one token.
 At ``request_finished`` the connector keeps r's blocks (``delay_free``), names a room (a 63-bit
 id from r's id), tells the workers to send the blocks that hold the prompt's tokens in that room
@@ -21,17 +21,26 @@ the workers report r' finished receiving (a failure too, with its blocks as load
 vLLM's ``kv_load_failure_policy`` applies); vLLM then computes the last prompt token itself and
 decodes. An abort of r' while it waits aborts the room (``aborts``); its blocks stay vLLM's until
 the room has concluded and nothing more can be written into them.
+
+Pull mode (``transfer_mode`` "pull", per request): the same params and steps, but the prefill
+workers offer the blocks (``Send.mode``) instead of sending them, and the decode workers claim a
+lease on them and read them into their own blocks (``Recv.mode``). vLLM frees the prefill
+request's blocks once every reader notified its read, or the lease ended.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvfsm.connectors.vllm.config import VllmConnectorConfig
 
+log = logging.getLogger("kvfsm.connectors.vllm")
+
 PARAMS_VERSION = 1  # of the kvfsm keys in kv_transfer_params
+MODES = ("push", "pull")
 
 
 def room_of(request_id: str) -> int:
@@ -60,6 +69,7 @@ class Send:
     room: int
     pages: tuple[int, ...]
     tokens: int
+    mode: str = "push"
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,7 @@ class Recv:
     pages: tuple[int, ...]
     tokens: int
     prefill: PrefillAddress
+    mode: str = "push"
 
 
 @dataclass
@@ -102,6 +113,15 @@ def prefill_address(params: dict[str, Any]) -> PrefillAddress:
         raise ParamsError(f"kv_transfer_params lack {exc.args[0]!r}") from None
 
 
+def transfer_mode(params: dict[str, Any], default: str) -> str:
+    """The request's ``transfer_mode`` ("push" or "pull"; absent: ``default``); ``ParamsError``
+    for another value."""
+    mode = params.get("transfer_mode", default)
+    if mode not in MODES:
+        raise ParamsError(f"transfer_mode {mode!r}: KvfsmConnector moves KV by 'push' or 'pull'")
+    return str(mode)
+
+
 class SchedulerSide:
     """The scheduler half's state (see the module docstring)."""
 
@@ -113,7 +133,7 @@ class SchedulerSide:
         self._plan = StepPlan()
         self._sending: set[str] = set()  # prefill requests whose blocks the workers still hold
         self._receiving: dict[str, int] = {}  # decode request -> its room, until finished_recving
-        self._loads: dict[str, tuple[int, PrefillAddress]] = {}  # decode: matched, not yet allocated
+        self._loads: dict[str, tuple[int, PrefillAddress, str]] = {}  # decode: matched, not yet allocated
 
     # -- handshake ------------------------------------------------------------------------------
 
@@ -139,11 +159,16 @@ class SchedulerSide:
             return 0, False
         if request.request_id in self._receiving:
             return 0, False
-        address = prefill_address(params)
+        try:
+            address = prefill_address(params)
+            mode = transfer_mode(params, "push")
+        except ParamsError as exc:  # a client's bad params: this engine computes the prompt itself
+            log.warning("KvfsmConnector: request %s: %s; computing its prompt here", request.request_id, exc)
+            return 0, False
         if num_computed_tokens:
             # the prompt's head is cached here already; rooms move a prompt from its first token
             return 0, False
-        self._loads[request.request_id] = (int(params["kvfsm_room"]), address)
+        self._loads[request.request_id] = (int(params["kvfsm_room"]), address, mode)
         return len(request.prompt_token_ids) - num_computed_tokens, True
 
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
@@ -151,10 +176,10 @@ class SchedulerSide:
         load = self._loads.pop(request.request_id, None)
         if load is None or num_external_tokens <= 0:
             return
-        room, address = load
+        room, address, mode = load
         tokens = num_external_tokens
         pages = tuple(block_ids[: pages_for(tokens, self.block_size)])
-        self._plan.recvs.append(Recv(request.request_id, room, pages, tokens, address))
+        self._plan.recvs.append(Recv(request.request_id, room, pages, tokens, address, mode))
         self._receiving[request.request_id] = room
         request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request
 
@@ -172,14 +197,20 @@ class SchedulerSide:
             return False, None
         if self.address is None:
             raise RuntimeError("KvfsmConnector: no handshake metadata from the workers (prefill role?)")
+        try:
+            mode = transfer_mode(params, self.config.transfer_mode)
+        except ParamsError as exc:  # a client's bad params: no transfer (its decode request computes)
+            log.warning("KvfsmConnector: request %s: %s; its KV is not kept", rid, exc)
+            return False, {"kvfsm_error": str(exc)}
         tokens = len(request.prompt_token_ids)
         room = room_of(f"{self.engine_id}/{rid}")
-        self._plan.sends.append(Send(rid, room, tuple(block_ids[: pages_for(tokens, self.block_size)]), tokens))
+        pages = tuple(block_ids[: pages_for(tokens, self.block_size)])
+        self._plan.sends.append(Send(rid, room, pages, tokens, mode))
         self._sending.add(rid)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "transfer_mode": self.config.transfer_mode,
+            "transfer_mode": mode,
             "remote_engine_id": self.engine_id,
             "remote_request_id": rid,
             "remote_num_tokens": tokens,

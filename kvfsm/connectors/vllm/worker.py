@@ -12,7 +12,10 @@ whole prompt, held until decode announces its blocks), receives (a room created,
 announced as soon as the link to every source is up) and aborts; ``finished`` polls the rooms
 (timers fire there) and reports those that concluded. A failed receive is reported finished
 too, with its blocks as load errors, and only once nothing can still be written into them.
-The aux slot carries the prompt's token count, which decode checks.
+The aux slot carries the prompt's token count, which decode checks. In pull mode (``Send.mode``,
+``Recv.mode``) prefill offers the blocks instead (no aux slot: the lease's grant carries the
+token count) and decode reads them into its blocks; a send is reported finished once no read
+can still target its blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kvfsm.connectors.vllm.scheduler import PrefillAddress, Recv, Send, StepPlan
 from kvfsm.layout import KVLayout, KVOrder
 from kvfsm.protocol import KVPoll, LocalProtocolError
 from kvfsm.runtime import DecodeManager, KVReceiver, KVSender, PrefillManager, RuntimeConfig
+from kvfsm.runtime.pull import KVOffer, KVPuller
 
 log = logging.getLogger("kvfsm.connectors.vllm")
 
@@ -107,15 +111,15 @@ class _Slots:
 
 @dataclass
 class _Sending:
-    sender: KVSender
-    slot: int
+    sender: KVSender | KVOffer
+    slot: int  # -1: none (pull)
 
 
 @dataclass
 class _Receiving:
     recv: Recv
-    receiver: KVReceiver
-    slot: int
+    receiver: KVReceiver | KVPuller
+    slot: int  # -1: none (pull)
     inited: bool = False
     aborted: bool = False
 
@@ -170,12 +174,16 @@ class WorkerSide:
 
     def runtime_config(self) -> RuntimeConfig:
         cfg = self.config
+        bootstrap = max(cfg.bootstrap_timeout_s, cfg.hold_timeout_s)
         return RuntimeConfig(
             workers=1,
-            timeouts={
-                "hold": cfg.hold_timeout_s,
-                "bootstrap": max(cfg.bootstrap_timeout_s, cfg.hold_timeout_s),
-                "transfer": cfg.transfer_timeout_s,
+            timeouts={"hold": cfg.hold_timeout_s, "bootstrap": bootstrap, "transfer": cfg.transfer_timeout_s},
+            pull_timeouts={
+                "claim": cfg.hold_timeout_s,
+                "lease": cfg.lease_s,
+                "bootstrap": bootstrap,
+                "renew": cfg.lease_s / 6,
+                "window": cfg.lease_s / 3,
             },
         )
 
@@ -263,6 +271,11 @@ class WorkerSide:
     def _send(self, send: Send) -> None:
         if self._prefill is None:
             raise LocalProtocolError("KvfsmConnector: a send on a worker that does not produce KV")
+        if send.mode == "pull":
+            self._sends[send.req_id] = _Sending(
+                self._prefill.create_offer(send.room, list(send.pages), send.tokens), -1
+            )
+            return
         slot = self._pslots.take()
         try:
             self._paux[slot * AUX_BYTES : (slot + 1) * AUX_BYTES] = np.frombuffer(
@@ -278,8 +291,13 @@ class WorkerSide:
     def _recv(self, recv: Recv) -> None:
         try:
             dm = self._decode_manager(recv.prefill)
-            slot = self._dslots[recv.prefill].take()
-            r = _Receiving(recv, dm.create_receiver(recv.room), slot)
+            if recv.mode == "pull":
+                puller = dm.create_puller(recv.room, tokens=recv.tokens)
+                r = _Receiving(recv, puller, -1, inited=True)
+                puller.init(list(recv.pages), recv.tokens)
+            else:
+                slot = self._dslots[recv.prefill].take()
+                r = _Receiving(recv, dm.create_receiver(recv.room), slot)
         except Exception as exc:  # noqa: BLE001 - an unreachable prefill engine fails this request only
             log.warning("KvfsmConnector: cannot receive %s from %s: %r", recv.req_id, recv.prefill.bootstrap, exc)
             self._unreachable.append(recv)
@@ -289,6 +307,7 @@ class WorkerSide:
 
     def _try_init(self, r: _Receiving) -> None:
         if not r.inited and not r.aborted and r.receiver.poll() == KVPoll.WaitingForInput:
+            assert isinstance(r.receiver, KVReceiver)  # (a puller is given its pages at once)
             r.receiver.init(list(r.recv.pages), r.slot, tokens=r.recv.tokens)
             r.inited = True
 
@@ -308,27 +327,34 @@ class WorkerSide:
                 if code == KVPoll.Failed:
                     log.warning("KvfsmConnector: send of %s failed: %s", rid, s.sender.failure_exception().reason)
                 s.sender.clear()
-                self._pslots.give(s.slot)
+                if s.slot >= 0:
+                    self._pslots.give(s.slot)
                 del self._sends[rid]
                 out.sending.add(rid)
         for rid, r in list(self._recvs.items()):
             self._try_init(r)
             code = r.receiver.poll()
-            if code == KVPoll.Failed and r.receiver.pages_fenced():
-                continue  # a source may still write into the blocks: not theirs to reuse yet
+            if code == KVPoll.Failed and self._blocks_busy(r):
+                continue  # a source may still write, or a read still land, into the blocks
             if code not in (KVPoll.Success, KVPoll.Failed):
                 continue
-            ok = code == KVPoll.Success and self._aux_tokens(r) == r.recv.tokens
+            ok = code == KVPoll.Success and (r.slot < 0 or self._aux_tokens(r) == r.recv.tokens)
             if not ok:
                 why = r.receiver.failure_exception().reason if code == KVPoll.Failed else "aux token count differs"
                 log.warning("KvfsmConnector: receive of %s failed: %s", rid, why)
                 out.failed.add(rid)
                 out.bad_blocks.update(r.recv.pages)
             r.receiver.clear()
-            self._dslots[r.recv.prefill].give(r.slot)
+            if r.slot >= 0:
+                self._dslots[r.recv.prefill].give(r.slot)
             del self._recvs[rid]
             out.recving.add(rid)
         return out
+
+    @staticmethod
+    def _blocks_busy(r: _Receiving) -> bool:
+        rc = r.receiver
+        return rc.pages_fenced() if isinstance(rc, KVReceiver) else rc.pages_in_use()
 
     def _aux_tokens(self, r: _Receiving) -> int:
         raw = self._daux[r.recv.prefill][r.slot * AUX_BYTES : (r.slot + 1) * AUX_BYTES]
