@@ -34,7 +34,9 @@ no head-vector run can address. Such a layout is declared ``opaque``: it is desc
 the orders above (``vllm_cpu``: a cell is the ``block_size x 2 x head_dim`` elements of one page
 and head), plans copy whole cells (the last page of a request whole, its unused slots with it,
 which the engine never reads before it writes them), and it exchanges KV only with a rank of
-the same order and page size (``compatible``); a different TP is fine.
+the same order and page size (``compatible``); a different TP is fine. Between two vLLM CPU
+caches of different page sizes, whose cells kvfsm knows, plans move element runs inside the
+cells instead (``kvfsm.layout.cells``).
 
 Pure: stdlib and numpy, no torch, no I/O.
 """
@@ -255,11 +257,15 @@ def compatible(src: KVLayout, dst: KVLayout) -> str | None:
             return f"model shape differs: {name} {a} at prefill, {b} at decode"
     if src.mla != dst.mla:
         return f"MLA on one side only (prefill mla={src.mla}, decode mla={dst.mla})"
-    if (src.opaque or dst.opaque) and (src.opaque, src.order, src.page_size) != (dst.opaque, dst.order, dst.page_size):
+    # vLLM's CPU cells are known (kvfsm.layout.cells): another page size is planned inside them
+    cells = src.order == dst.order == KVOrder.VLLM_CPU
+    if (src.opaque or dst.opaque) and (
+        (src.opaque, src.order) != (dst.opaque, dst.order) or (src.page_size != dst.page_size and not cells)
+    ):
         return (
-            "a cache whose pages are opaque (vLLM's CPU cache) exchanges whole pages only, with a rank of "
-            f"the same order and page size (prefill {src.order.value}/{src.page_size}/opaque={src.opaque}, "
-            f"decode {dst.order.value}/{dst.page_size}/opaque={dst.opaque})"
+            "a cache whose pages are opaque exchanges KV only with a rank of the same order, and of the "
+            f"same page size unless both are vLLM CPU caches (prefill {src.order.value}/{src.page_size}/"
+            f"opaque={src.opaque}, decode {dst.order.value}/{dst.page_size}/opaque={dst.opaque})"
         )
     try:
         RankMap(src.num_kv_heads, src.tp_size, dst.tp_size, src.mla)

@@ -38,6 +38,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from kvfsm.layout.cells import cell_runs, cells_apply
 from kvfsm.layout.kv import IntArray, KVLayout, LayoutError, compatible
 from kvfsm.layout.mapping import RankMap
 
@@ -120,7 +121,10 @@ class Planner:
         dst_first = heads.start - dst.local_heads.start
         if mutant == "head_offset_from_global_rank":
             dst_first = src.tp_rank * n  # SGLang's slip: the sender's global rank, not its place in the group
-        self.whole_pages = src.opaque  # (compatible: then dst.opaque, one order and page size)
+        # opaque: whole cells between equal page sizes, element runs inside CPU cells otherwise
+        self.cells = cells_apply(src, dst)
+        self.whole_pages = src.opaque and not self.cells
+        self._src_first, self._dst_first = src_first, dst_first
         self.kind: PlanKind = (
             "direct"
             if n
@@ -184,6 +188,13 @@ class Planner:
         dpages = _pages(dst_pages, dst, "decode", end, dst_first_page)
         if not self.heads or num_tokens == 0:
             return Plan(self.kind, np.zeros((0, 5), dtype=np.int64))
+        if self.cells:
+            n = len(self.heads)
+            sh = np.arange(self._src_first, self._src_first + n, dtype=np.int64)
+            dh = np.arange(self._dst_first, self._dst_first + n, dtype=np.int64)
+            runs = cell_runs(src, dst, spages, dpages, first_token, num_tokens, sh, dh, src_first_page, dst_first_page)
+            runs.setflags(write=False)
+            return Plan("sliced", runs)
         # where the destination believes the chunk starts (only a mutant gets it wrong)
         dst_start = first_token
         if self.mutant == "chunk_offset_from_chunk_length":

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from kvfsm.layout.cells import cells_apply, verify_cells
 from kvfsm.layout.kv import IntArray, KVLayout, compatible
 from kvfsm.layout.mapping import RankMap
 from kvfsm.layout.plan import DST_BUFFER, DST_OFFSET, LENGTH, SRC_BUFFER, SRC_OFFSET, Plan
@@ -109,6 +110,14 @@ def verify_plan(
     reason = compatible(src, dst)
     if reason is not None:
         raise PlanError(f"no plan can join these layouts: {reason}")
+    if cells_apply(src, dst):  # element runs inside vLLM CPU cells: proved element by element
+        why = verify_cells(
+            plan, src, dst, src_pages, dst_pages, first_token, num_tokens, mapping.heads(src.tp_rank, dst.tp_rank),
+            src_first_page=src_first_page, dst_first_page=dst_first_page,
+        )  # fmt: skip
+        if why is not None:
+            raise PlanError(why)
+        return
     runs = np.asarray(plan.runs)
     if runs.ndim != 2 or runs.shape[1] != 5 or not np.issubdtype(runs.dtype, np.integer):
         raise PlanError(f"runs must be an integer array of shape (n, 5), got {runs.dtype} {runs.shape}")

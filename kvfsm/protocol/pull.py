@@ -14,7 +14,11 @@ read only with a deadline no later than the lease's end *as decode can bound it*
   ``length`` from the arrival of that claim, which is later than its sending. ``LEASE_SKEW``
   covers clocks that run at slightly different rates;
 * every read is posted with that end as its deadline; the runtime refuses a read that cannot
-  end by then and the transport cancels one still in flight there.
+  end by then and the transport cancels one still in flight there;
+* decode forgets a claim once two newer ones went out (``KEPT_CLAIMS``): a grant of an older
+  epoch is stale, so a grant that took longer than two renewal periods to come back never opens
+  a window that is already closing (with the renewal period well below the lease, the last two
+  claims' leases leave at least the read budget).
 
 So no read is in flight when a lease ends, whatever the delays of claims and grants. A room
 that fails keeps its lease running (prefill) or its pages reserved (decode) until the reads are
@@ -32,6 +36,7 @@ from kvfsm.protocol.rooms import Grant, PullSink, PullSource
 from kvfsm.protocol.wire import LeaseClaim, LeaseGrant, LeaseRelease, ReadsDone, RoomFailed
 
 LEASE_SKEW = 0.01  # the part of a lease decode does not count on (clock rates; NTP slews at most 0.05%)
+KEPT_CLAIMS = 2  # decode's claims whose grants it still takes: the newest and the one before
 
 ACTION_ARGS.update({"tell_readers": ("failed", "aborted"), "tell_claimant": ("failed",)})
 
@@ -152,6 +157,8 @@ def grant_stale(room: PullSink, ev: LeaseGranted) -> bool:
     """From a rank we do not read from, or no newer than the grant recorded for it."""
     if ev.prefill_rank not in room.sources:
         return True
+    if 0 < ev.epoch < room.epoch and ev.epoch not in room.claims:  # forgotten: too old to use
+        return True
     g = room.grants.get(ev.prefill_rank)
     return g is not None and ev.epoch <= g.epoch
 
@@ -171,9 +178,12 @@ def grants_complete_after(room: PullSink, ev: LeaseGranted) -> bool:
 
 
 def _lease_end(room: PullSink, grants: dict[int, Grant]) -> float:
-    """The lease's end for decode with ``grants`` (every source's newest; see open_window)."""
-    oldest = min(g.epoch for g in grants.values())
-    return room.claims[oldest] + min(g.lease_s for g in grants.values()) * (1 - LEASE_SKEW)
+    """The lease's end for decode with ``grants`` (every source's newest; see open_window); 0 when
+    the oldest of them answers a claim already forgotten (no lease to count on)."""
+    sent = room.claims.get(min(g.epoch for g in grants.values()))
+    if sent is None:
+        return 0.0
+    return sent + min(g.lease_s for g in grants.values()) * (1 - LEASE_SKEW)
 
 
 @guard
@@ -238,6 +248,7 @@ def claim(room: PullSink, ev: Any, ctx: StepContext, arg: str) -> None:
     """Claim (or renew) the lease of every source under a new epoch, noting when."""
     room.epoch += 1
     room.claims[room.epoch] = ctx.now
+    room.claims.pop(room.epoch - KEPT_CLAIMS, None)
     for src in room.sources:
         ctx.out.append(SendMessage(src, LeaseClaim(room.room, room.rank, room.epoch, room.readers, room.tokens)))
 

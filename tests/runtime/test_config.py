@@ -15,7 +15,7 @@ def test_defaults_are_valid_and_every_field_is_documented() -> None:
     assert cfg.workers == 4 and cfg.timeouts == {}
     rows = reference(RuntimeConfig)
     assert [r.name for r in rows] == [
-        "timeouts", "workers", "batch_bytes", "batch_segments", "register_retry_s",
+        "timeouts", "pull_timeouts", "workers", "batch_bytes", "batch_segments", "register_retry_s",
         "tombstone_ttl_s", "early_ttl_s", "max_early_rooms", "verify_plans",
     ]  # fmt: skip
     assert all(r.doc and r.must for r in rows)
@@ -33,6 +33,7 @@ def test_defaults_are_valid_and_every_field_is_documented() -> None:
         ("early_ttl_s", "300"),
         ("max_early_rooms", 0),
         ("timeouts", {"transfer": 0.0}),
+        ("pull_timeouts", {"lease": -1.0}),
         ("timeouts", {"transfer": "5"}),
         ("timeouts", [("transfer", 5.0)]),
     ],
