@@ -456,6 +456,7 @@ def _serve(args: argparse.Namespace) -> int:
                             "kv_transfer_params": o.kv_transfer_params,
                             # seconds from the request's arrival to its first token (bench/vllm.py)
                             "ttft_s": getattr(o.metrics, "first_token_latency", None),
+                            "kv_wait_s": _kv_wait(o.metrics),
                         }
                         for o in outs
                     ],
@@ -466,6 +467,13 @@ def _serve(args: argparse.Namespace) -> int:
             _emit({"error": f"{type(e).__name__}: {e}"})
     del llm
     return 0
+
+
+def _kv_wait(metrics: Any) -> float | None:
+    """Seconds from the request's queueing to its scheduling: with a remote prefill, the wait
+    for its KV (vLLM schedules such a request only once its KV is in place)."""
+    queued, scheduled = getattr(metrics, "queued_ts", 0.0), getattr(metrics, "scheduled_ts", 0.0)
+    return scheduled - queued if queued and scheduled else None
 
 
 def _generate_aborting(llm: Any, cmd: dict[str, Any], sps: list[Any]) -> dict[str, Any]:

@@ -174,3 +174,15 @@ def _swallow(fn: Any, *args: Any) -> None:
         fn(*args)
     except Exception:  # noqa: BLE001 - the decode engine was killed under it
         pass
+
+
+@pytest.mark.parametrize(("prefill_block", "decode_block"), [(32, 64), (64, 32)])
+def test_different_block_sizes_equal_a_single_engine_in_both_modes(
+    model: str, prompts: list[list[int]], reference: list[list[int]], prefill_block: int, decode_block: int
+) -> None:
+    """The engines' CPU caches differ in block size: the handshake accepts the pair and each
+    request's plan moves element runs inside the cells (kvfsm.layout.cells)."""
+    extra = {"hold_timeout_s": HOLD_S, "bootstrap_timeout_s": 10.0}
+    with PDPair(model, "KvfsmConnector", MODULE, extra, block_size=prefill_block, decode_block_size=decode_block) as p:
+        for mode in ("pull", "push"):
+            assert p.run(prompts, MAX_TOKENS, transfer_mode=mode) == reference, mode
