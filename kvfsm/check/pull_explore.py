@@ -128,6 +128,8 @@ def explore_pull(cfg: PullConfig, *, max_states: int | None = None, stop_at_firs
             if t == s and label == ("tick",):
                 continue
             quiet = False
+            if "cleared" in notes:
+                label = (*label, "+clear")
             res.edges += 1
             for note in notes:
                 if note[0] == "~":
@@ -176,6 +178,8 @@ def _jsonable(x: Any) -> Any:
 
 def describe(label: list[Any]) -> str:
     """A trace step in words."""
+    if label[-1] == "+clear":
+        return describe(label[:-1]) + "; the engine clears the concluded room (frees its pages)"
     kind = label[0]
     if kind == "tick":
         return "time advances one tick"

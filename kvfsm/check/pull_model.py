@@ -68,8 +68,11 @@ DECODE_PAGES = (1, 2)
 ROOM = 0
 
 _LEASE = TIMEOUTS["prefill_pull"]["lease"]
-_PAST_END = -(TIMEOUTS["decode_pull"]["read"] + 1)  # a lease end this far back is just "past"
-_PAST_CLAIM = _PAST_END - _LEASE * (1 - LEASE_SKEW)  # a claim sent this far back grants a past end
+# A lease end at or before now is just "past": every read posted under it is refused at once (and
+# the room fails), so its read timer never matters. A claim sent so long ago that it grants a past
+# end, likewise. (Two past ends are not ordered any more: a window may be opened or not for one.)
+_PAST_END = -1.0
+_PAST_CLAIM = round(_PAST_END - _LEASE * (1 - LEASE_SKEW), 6)
 
 # budgets: indices into State[0]
 LOSS, DUP, CRASH, ABORTS = range(4)
@@ -117,8 +120,13 @@ def _t(x: float) -> float:
     return round(x, 6)
 
 
+def _tag(failure: str | None) -> str | None:
+    """A failure's kind without its detail (the details only multiply states; no guard reads them)."""
+    return failure.split(":", 1)[0] if failure else failure
+
+
 def freeze_source(r: PullSource) -> tuple[Any, ...]:
-    return (r.state, r.failure, tuple(sorted(r.timers)), r.readers, tuple(sorted(r.claimants)), tuple(sorted(r.done)))
+    return (r.state, _tag(r.failure), tuple(sorted(r.timers)), r.readers, tuple(sorted(r.claimants)), tuple(sorted(r.done)))
 
 
 def thaw_source(f: tuple[Any, ...], rank: int) -> PullSource:
@@ -134,8 +142,9 @@ def source_pages(rank: int) -> tuple[int, ...]:
 
 def freeze_sink(r: PullSink) -> tuple[Any, ...]:
     grants = tuple(sorted((s, (g.epoch, g.lease_s, g.pages, g.tokens)) for s, g in r.grants.items()))
-    claims = tuple(sorted((e, _t(t)) for e, t in r.claims.items()))
-    return (r.state, r.failure, tuple(sorted(r.timers)), r.pages, r.epoch, claims, grants, _t(r.lease_end),
+    claims = tuple(sorted((e, _past_claim(t)) for e, t in r.claims.items()))
+    end = r.lease_end if r.lease_end == -math.inf else _past_end(r.lease_end)
+    return (r.state, _tag(r.failure), tuple(sorted(r.timers)), r.pages, r.epoch, claims, grants, end,
             tuple(sorted(r.reading)), tuple(sorted(r.read)))  # fmt: skip
 
 
@@ -154,7 +163,7 @@ def new_sink(rank: int, cfg: PullConfig) -> PullSink:
 
 
 def _msg(m: Any) -> tuple[Any, ...]:
-    return (m.TYPE, *(getattr(m, f) for f in m.__slots__))
+    return (m.TYPE, *(_tag(v) if f == "reason" else v for f in m.__slots__ for v in (getattr(m, f),)))
 
 
 def _event(side: str, m: tuple[Any, ...]) -> Any:
@@ -173,6 +182,14 @@ def _event(side: str, m: tuple[Any, ...]) -> Any:
     raise ValueError(f"no {side} event for message {m}")
 
 
+def _past_end(t: float) -> float:
+    return _PAST_END if t <= 0 else _t(t)
+
+
+def _past_claim(t: float) -> float:
+    return _PAST_CLAIM if t + _LEASE * (1 - LEASE_SKEW) <= 0 else _t(t)
+
+
 def _shift(deadlines: tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
     return tuple((n, max(0.0, _t(d - 1))) for n, d in deadlines)
 
@@ -186,6 +203,8 @@ class PullModel:
         self.protocol = protocol
         self.prefill = protocol.prefill_pull
         self.decode = protocol.decode_pull
+        # (side, rank, frozen room, event) -> (actions or None if refused, the room after)
+        self._memo: dict[tuple[Any, ...], tuple[list[Any] | None, Any]] = {}
         self.epoch_cap = cfg.max_epoch + cfg.loss + cfg.dup + 2  # beyond the environment bound: none
 
     # ------------------------------------------------------------------ states
@@ -216,8 +235,8 @@ class PullModel:
         for slot in ds:
             if isinstance(slot, tuple):
                 f, dl, alloc = slot
-                claims = tuple((e, max(_PAST_CLAIM, _t(t - 1))) for e, t in f[5])
-                end = f[7] if f[7] == -math.inf else max(_PAST_END, _t(f[7] - 1))
+                claims = tuple((e, _past_claim(t - 1)) for e, t in f[5])
+                end = f[7] if f[7] == -math.inf else _past_end(f[7] - 1)
                 slot = ((*f[:5], claims, f[6], end, *f[8:]), _shift(dl), alloc)
             new_ds.append(slot)
         reads = tuple(sorted((d, p, dl if dl == math.inf else max(0.0, _t(dl - 1))) for d, p, dl in reads))
@@ -226,6 +245,24 @@ class PullModel:
     # ------------------------------------------------------------------ successors
 
     def successors(self, s: State) -> Iterator[tuple[Label, State, frozenset[str]]]:
+        """Every transition of ``s``. Items for a room that is gone (cleared, crashed) are
+        dropped as soon as it goes: delivered they would be dropped, and losing or duplicating
+        them only spends a budget."""
+        for label, t, notes in self._successors(s):
+            yield label, self._gc(t), notes
+
+    @staticmethod
+    def _gc(s: State) -> State:
+        gone_p = {p for p, (f, _) in enumerate(s[1]) if f[0] == "Cleared"}
+        gone_d = {d for d, slot in enumerate(s[2]) if slot == "X" or (slot is not None and slot[0][0] == "Cleared")}
+        if not gone_p and not gone_d:
+            return s
+        net = tuple(i for i in s[3] if i[1] not in (gone_p if i[0] == "P" else gone_d))
+        reports = tuple(r for r in s[5] if r[0] not in gone_d)
+        notices = tuple(n for n in s[6] if n[0] not in gone_p)
+        return (s[0], s[1], s[2], net, s[4], reports, notices, s[7])
+
+    def _successors(self, s: State) -> Iterator[tuple[Label, State, frozenset[str]]]:
         budgets, ps, ds, net, reads, reports, notices, landed = s
         cfg = self.cfg
         yield ("tick",), self.tick(s), frozenset()
@@ -235,8 +272,6 @@ class PullModel:
                     yield self._step(s, "P", p, TimerFired(name), ("timer", f"P{p}", name))
             if budgets[ABORTS] and f[0] != "Cleared":
                 yield self._step(s, "P", p, Abort(), ("abort", f"P{p}"), spend=ABORTS)
-            if f[0] in ("Success", "Failed"):
-                yield self._step(s, "P", p, Clear(), ("clear", f"P{p}"), optional=True)
         for d, slot in enumerate(ds):
             if slot is None:
                 yield self._create(s, d)
@@ -253,8 +288,6 @@ class PullModel:
                 yield self._step(s, "D", d, ev, ("allocate", f"D{d}"), allocate=True)
             if budgets[ABORTS] and not cleared:
                 yield self._step(s, "D", d, Abort(), ("abort", f"D{d}"), spend=ABORTS)
-            if f[0] in ("Success", "Failed"):
-                yield self._step(s, "D", d, Clear(), ("clear", f"D{d}"), optional=True)
             if budgets[CRASH] and not cleared:
                 yield self._crash(s, d)
         for i, item in enumerate(net):
@@ -337,18 +370,26 @@ class PullModel:
         (a clear) is refused and ``optional``."""
         if side == "P":
             f, dl = s[1][rank]
-            room: Any = thaw_source(f, rank)
             machine = self.prefill
+            thaw: Callable[[], Any] = lambda: thaw_source(f, rank)
         else:
             f, dl, alloc = s[2][rank]
-            room = thaw_sink(f, rank, self.cfg)
             machine = self.decode
+            thaw = lambda: thaw_sink(f, rank, self.cfg)
         if isinstance(ev, TimerFired):
             dl = tuple((n, w) for n, w in dl if n != ev.timer)
-        before_state = room.state
-        try:
-            acts = machine.step(room, ev, 0.0)
-        except LocalProtocolError:
+        before_state = f[0]
+        key = (side, rank, f, ev)
+        hit = self._memo.get(key)
+        if hit is None:
+            room = thaw()
+            try:
+                hit = (machine.step(room, ev, 0.0), room)
+            except LocalProtocolError:
+                hit = (None, room)
+            self._memo[key] = hit
+        acts, room = hit
+        if acts is None:
             if optional:
                 return None
             notes.add("!pull_events_accepted")
@@ -370,7 +411,14 @@ class PullModel:
             ds = list(s[2])
             ds[rank] = (freeze_sink(room), new_dl, alloc)
             s = self._with(s, ds=tuple(ds))
-        return self._apply(s, side, rank, acts, notes)
+        s = self._apply(s, side, rank, acts, notes)
+        if room.state in ("Success", "Failed") and not isinstance(ev, Clear):
+            # the engine clears as soon as the concluded room accepts it
+            cleared = self._event(s, side, rank, Clear(), notes, optional=True)
+            if cleared is not None:
+                notes.add("cleared")
+                s = cleared
+        return s
 
     def _apply(self, s: State, side: str, rank: int, acts: list[Any], notes: set[str]) -> State:
         """Carry out a step's messages and reads (timers were taken into the slot)."""
