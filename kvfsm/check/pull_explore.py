@@ -9,6 +9,8 @@ is checked on quiescent states: states whose only successor is a tick that chang
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,7 +29,7 @@ from kvfsm.protocol.spec import MachineSpec, ProtocolSpec
 
 PULL_PRESETS: dict[str, PullConfig] = {
     # runs in CI: every fault but crashes on one prefill/decode pair
-    "pull-smoke": PullConfig(1, 1, loss=1, dup=1, aborts=1),
+    "pull-smoke": PullConfig(1, 1, loss=1, dup=1, aborts=1, max_epoch=2),
     # a crash, and decode reading from two sources
     "pull": PullConfig(2, 1, loss=1, dup=1, crash=1, aborts=1),
     # two readers of one source
@@ -221,3 +223,34 @@ def print_pull_result(res: CheckResult, cfg: PullConfig) -> None:
         print(f"\nVIOLATION {v['name']}" + (f": {v['detail']}" if v.get("detail") else ""))
         for i, label in enumerate(v["trace"], 1):
             print(f"  {i:>3}. {describe(label)}")
+
+
+def pull_config(args: argparse.Namespace) -> PullConfig:
+    """The configuration of ``kvfsm check`` in pull mode: the preset or the mutant's own, then the flags."""
+    if args.mutant:
+        cfg = PULL_PRESETS[args.preset] if args.preset in PULL_PRESETS else PULL_MUTANTS[args.mutant].config
+    else:
+        cfg = PULL_PRESETS[args.preset]
+    changes = {n: getattr(args, n) for n in ("prefill_ranks", "decode_ranks", "loss", "dup", "crash", "aborts")}
+    return replace(cfg, mutant=args.mutant, **{n: v for n, v in changes.items() if v is not None})
+
+
+def pull_main(args: argparse.Namespace) -> int:
+    """``kvfsm check --preset pull*`` or ``--mutant`` of pull mode: the result line (or JSON), the
+    shortest trace of each violation; exit 1 on a violation."""
+    cfg = pull_config(args)
+    res = explore_pull(cfg, max_states=args.max_states, stop_at_first=not args.all)
+    if args.trace_out and res.violations:
+        v = res.violations[0]
+        with args.trace_out.open("w") as f:
+            f.write(json.dumps({"config": res.as_json()["config"], "violation": v["name"], "detail": v["detail"]}) + "\n")
+            for i, label in enumerate(v["trace"], 1):
+                f.write(json.dumps({"step": i, "label": label, "text": describe(label)}) + "\n")
+    if args.json:
+        out = res.as_json()
+        out["mode"] = "pull"
+        out["timeouts"] = TIMEOUTS
+        print(json.dumps(out))
+    else:
+        print_pull_result(res, cfg)
+    return 0 if res.ok else 1
