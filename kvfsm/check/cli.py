@@ -166,8 +166,10 @@ def _print_result(res: CheckResult, cfg: CheckConfig, parts: list[Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.list_mutants:
-        for m in [*MUTANTS.values(), *PULL_MUTANTS.values()]:
-            print(f"{m.name:30s} {m.expect:28s} {m.bug}")
+        rows = [(m.name, m.expect, m.bug) for m in MUTANTS.values()]
+        rows += [(m.name, m.expect, m.bug) for m in PULL_MUTANTS.values()]
+        for name, expect, bug in rows:
+            print(f"{name:30s} {expect:28s} {bug}")
         return 0
     if args.preset in PULL_PRESETS or args.mutant in PULL_MUTANTS:
         return pull_main(args)

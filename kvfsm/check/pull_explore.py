@@ -243,7 +243,9 @@ def pull_main(args: argparse.Namespace) -> int:
     if args.trace_out and res.violations:
         v = res.violations[0]
         with args.trace_out.open("w") as f:
-            f.write(json.dumps({"config": res.as_json()["config"], "violation": v["name"], "detail": v["detail"]}) + "\n")
+            f.write(
+                json.dumps({"config": res.as_json()["config"], "violation": v["name"], "detail": v["detail"]}) + "\n"
+            )
             for i, label in enumerate(v["trace"], 1):
                 f.write(json.dumps({"step": i, "label": label, "text": describe(label)}) + "\n")
     if args.json:

@@ -126,7 +126,14 @@ def _tag(failure: str | None) -> str | None:
 
 
 def freeze_source(r: PullSource) -> tuple[Any, ...]:
-    return (r.state, _tag(r.failure), tuple(sorted(r.timers)), r.readers, tuple(sorted(r.claimants)), tuple(sorted(r.done)))
+    return (
+        r.state,
+        _tag(r.failure),
+        tuple(sorted(r.timers)),
+        r.readers,
+        tuple(sorted(r.claimants)),
+        tuple(sorted(r.done)),
+    )
 
 
 def thaw_source(f: tuple[Any, ...], rank: int) -> PullSource:
@@ -212,7 +219,7 @@ class PullModel:
     def initial(self) -> State:
         slots = []
         for p in range(self.cfg.prefill_ranks):
-            room = PullSource(ROOM, p, source_pages(p), TOKENS)
+            room: Any = PullSource(ROOM, p, source_pages(p), TOKENS)
             acts = self.prefill.create(room, 0.0)
             slots.append((freeze_source(room), self._timers((), acts)))
         budgets = (self.cfg.loss, self.cfg.dup, self.cfg.crash, self.cfg.aborts)
@@ -284,8 +291,8 @@ class PullModel:
                 if when <= 0 and (name != "renew" or self._may_renew(s, d, f, alloc)):
                     yield self._step(s, "D", d, TimerFired(name), ("timer", f"D{d}", name))
             if not alloc and not cleared:
-                ev = PagesAllocated(DECODE_PAGES, -1, TOKENS)
-                yield self._step(s, "D", d, ev, ("allocate", f"D{d}"), allocate=True)
+                pages = PagesAllocated(DECODE_PAGES, -1, TOKENS)
+                yield self._step(s, "D", d, pages, ("allocate", f"D{d}"), allocate=True)
             if budgets[ABORTS] and not cleared:
                 yield self._step(s, "D", d, Abort(), ("abort", f"D{d}"), spend=ABORTS)
             if budgets[CRASH] and not cleared:
@@ -341,7 +348,7 @@ class PullModel:
     # ------------------------------------------------------------------ transitions
 
     def _create(self, s: State, d: int) -> tuple[Label, State, frozenset[str]]:
-        room = new_sink(d, self.cfg)
+        room: Any = new_sink(d, self.cfg)
         acts = self.decode.create(room, 0.0)
         ds = list(s[2])
         ds[d] = (freeze_sink(room), self._timers((), acts), False)
@@ -365,24 +372,24 @@ class PullModel:
             out = self._with(out, ds=tuple(ds))
         return label, out, frozenset(notes)
 
-    def _event(self, s: State, side: str, rank: int, ev: Any, notes: set[str], *, optional: bool = False) -> State | None:
+    def _event(
+        self, s: State, side: str, rank: int, ev: Any, notes: set[str], *, optional: bool = False
+    ) -> State | None:
         """Step ``rank``'s room with ``ev`` and carry out the actions; None if a local event
         (a clear) is refused and ``optional``."""
         if side == "P":
             f, dl = s[1][rank]
             machine = self.prefill
-            thaw: Callable[[], Any] = lambda: thaw_source(f, rank)
         else:
             f, dl, alloc = s[2][rank]
             machine = self.decode
-            thaw = lambda: thaw_sink(f, rank, self.cfg)
         if isinstance(ev, TimerFired):
             dl = tuple((n, w) for n, w in dl if n != ev.timer)
         before_state = f[0]
         key = (side, rank, f, ev)
         hit = self._memo.get(key)
         if hit is None:
-            room = thaw()
+            room: Any = thaw_source(f, rank) if side == "P" else thaw_sink(f, rank, self.cfg)
             try:
                 hit = (machine.step(room, ev, 0.0), room)
             except LocalProtocolError:
@@ -490,7 +497,9 @@ class PullModel:
     def leaked(self, s: State) -> list[str]:
         """liveness.no_leaked_blocks, on a quiescent state: what is not cleared or still in flight."""
         out = [f"P{p}: {f[0]}" for p, (f, _) in enumerate(s[1]) if f[0] != "Cleared"]
-        out += [f"D{d}: {slot[0][0]}" for d, slot in enumerate(s[2]) if isinstance(slot, tuple) and slot[0][0] != "Cleared"]
+        out += [
+            f"D{d}: {slot[0][0]}" for d, slot in enumerate(s[2]) if isinstance(slot, tuple) and slot[0][0] != "Cleared"
+        ]
         if s[3] or s[4] or s[5] or s[6]:
             out.append("items in flight")
         return out
