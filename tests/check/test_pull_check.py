@@ -63,23 +63,33 @@ def test_pull_smoke_finds_a_decode_room_that_renews_forever_toward_a_cleared_sou
     assert any(label[0] == "lose" and label[1][2][0] == "room_failed" for label in v["trace"])
 
 
-def test_pull_smoke_passes_with_the_proposed_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def proposed_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Explore the protocol with the proposed fix on top (of the mutant, if any)."""
     import kvfsm.check.pull_explore as pe
 
-    spec = _machine(load_spec(), "decode_pull", _bootstrap_while_granted)
-    monkeypatch.setattr(pe, "pull_protocol", lambda mutant: Protocol(spec, timeouts=TIMEOUTS))
+    def protocol(mutant: str | None) -> Protocol:
+        spec = load_spec() if mutant is None else PULL_MUTANTS[mutant].transform(load_spec())
+        return Protocol(_machine(spec, "decode_pull", _bootstrap_while_granted), timeouts=TIMEOUTS)
+
+    monkeypatch.setattr(pe, "pull_protocol", protocol)
+
+
+@pytest.mark.usefixtures("proposed_fix")
+def test_pull_smoke_passes_with_the_proposed_fix() -> None:
     res = explore_pull(PULL_PRESETS["pull-smoke"])
     assert res.ok and res.complete, res.violations
     assert all(res.witnessed.values()), res.witnessed  # a room succeeds, a renewal extends a lease
 
 
+@pytest.mark.usefixtures("proposed_fix")
 @pytest.mark.parametrize("name", sorted(PULL_MUTANTS))
 def test_each_pull_mutant_is_found_with_its_property(name: str) -> None:
     mutant = PULL_MUTANTS[name]
     found = explore_pull(replace(mutant.config, mutant=name))
     assert found.violations and found.violations[0]["name"] == mutant.expect
     assert all(describe(label) for label in found.violations[0]["trace"])
-    # the unmutated protocol passes the mutant's own configuration
+    # the protocol passes the mutant's own configuration
     base = explore_pull(mutant.config)
     assert base.ok and base.complete, base.violations
 
