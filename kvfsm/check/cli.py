@@ -12,6 +12,7 @@ from typing import Any
 from kvfsm.check.explore import CheckResult, components, explore, explore_reduced, print_progress
 from kvfsm.check.model import CheckConfig
 from kvfsm.check.mutants import MUTANTS
+from kvfsm.check.pull_explore import PULL_MUTANTS, PULL_PRESETS, pull_main
 
 PRESETS: dict[str, CheckConfig] = {
     # runs in CI: every fault kind on one prefill/decode pair
@@ -36,7 +37,8 @@ PRESETS: dict[str, CheckConfig] = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a named configuration (flags below override it)")
+    p.add_argument("--preset", choices=sorted(PRESETS) + sorted(PULL_PRESETS),
+                   help="a named configuration (flags below override it); pull*: pull mode")  # fmt: skip
     p.add_argument("--prefill-ranks", type=int)
     p.add_argument("--decode-ranks", type=int)
     p.add_argument("--kv-heads", type=int, help="KV heads of the model (default: lcm of the TP sizes)")
@@ -164,9 +166,13 @@ def _print_result(res: CheckResult, cfg: CheckConfig, parts: list[Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.list_mutants:
-        for m in MUTANTS.values():
-            print(f"{m.name:30s} {m.expect:28s} {m.bug}")
+        rows = [(m.name, m.expect, m.bug) for m in MUTANTS.values()]
+        rows += [(m.name, m.expect, m.bug) for m in PULL_MUTANTS.values()]
+        for name, expect, bug in rows:
+            print(f"{name:30s} {expect:28s} {bug}")
         return 0
+    if args.preset in PULL_PRESETS or args.mutant in PULL_MUTANTS:
+        return pull_main(args)
     cfg = config_from(args)
     kwargs = dict(
         max_states=args.max_states, stop_at_first=not args.all, cycles=not args.no_cycles,

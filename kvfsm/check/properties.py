@@ -27,10 +27,15 @@ if TYPE_CHECKING:
 FAILED, SUCCESS = 0, 4
 
 
-def load_properties() -> dict[str, dict[str, dict[str, str]]]:
-    """spec/invariants.toml: {"always": {name: {kind, why}}, "sometimes": ..., "liveness": ...}."""
+def load_properties(mode: str = "push") -> dict[str, dict[str, dict[str, str]]]:
+    """spec/invariants.toml: {"always": {name: {kind, why}}, "sometimes": ..., "liveness": ...},
+    the properties of ``mode`` only (an entry's ``mode``, "push" where it names none; pull mode's
+    predicates are ``kvfsm.check.pull_model.PULL_PREDICATES``)."""
     raw = tomllib.loads((spec_dir() / "invariants.toml").read_text())
-    return {group: dict(raw.get(group, {})) for group in ("always", "sometimes", "liveness")}
+    return {
+        group: {n: p for n, p in raw.get(group, {}).items() if p.get("mode", "push") == mode}
+        for group in ("always", "sometimes", "liveness")
+    }
 
 
 def _cause_rank(event: Any) -> int | None:
