@@ -49,6 +49,7 @@ from kvfsm.protocol.events import (
     LeaseReleased,
     PagesAllocated,
     PeerLost,
+    PeersReady,
     ReadCompleted,
     ReadFailed,
     ReadsNotified,
@@ -349,7 +350,10 @@ class PullModel:
 
     def _create(self, s: State, d: int) -> tuple[Label, State, frozenset[str]]:
         room: Any = new_sink(d, self.cfg)
+        # created with its links up (the handshake is the link machines', checked on their own):
+        # Linking is left at once (L1)
         acts = self.decode.create(room, 0.0)
+        acts += self.decode.step(room, PeersReady(), 0.0)
         ds = list(s[2])
         ds[d] = (freeze_sink(room), self._timers((), acts), False)
         out = self._with(s, ds=tuple(ds))

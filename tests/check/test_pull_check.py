@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from kvfsm.check.mutants import _machine, _rows
+from kvfsm.check.mutants import _machine
 from kvfsm.check.properties import PREDICATES, load_properties
 from kvfsm.check.pull_explore import PULL_MUTANTS, PULL_PRESETS, describe, explore_pull
 from kvfsm.check.pull_model import TIMEOUTS, PullConfig, PullModel
 from kvfsm.protocol import Protocol, load_spec
-from kvfsm.protocol.spec import MachineSpec, spec_dir
+from kvfsm.protocol.spec import MachineSpec, RowSpec, spec_dir
 
 
 def test_every_pull_property_has_one_predicate_and_each_entry_one_mode() -> None:
@@ -34,55 +34,39 @@ def test_the_model_steps_the_spec_machines_with_small_consistent_timers() -> Non
     assert dec["renew"] < pre["lease"] and dec["window"] < pre["lease"]
 
 
-def _bootstrap_while_granted(ms: MachineSpec) -> MachineSpec:
-    """The fix proposed for the liveness gap pull-smoke finds: while Granted, the bootstrap timer
-    bounds the sources' silence (re-armed by every complete grant, cancelled when reads post)."""
-
-    def rows(old: tuple) -> list:  # type: ignore[type-arg]
-        out = []
-        for r in old:
-            if r.id == "G5":
-                r = replace(r, actions=tuple("arm:bootstrap" if a == "cancel:bootstrap" else a for a in r.actions))
-            elif r.id == "A2":
-                r = replace(r, actions=(*r.actions[:2], "cancel:bootstrap", *r.actions[2:]))
-            elif r.id == "H3":
-                r = replace(r, sources=("Claiming", "Granted"), source_decl=("Claiming", "Granted"))
-            out.append(r)
-        return out
-
-    return _rows(ms, rows)
-
-
-def test_pull_smoke_finds_a_decode_room_that_renews_forever_toward_a_cleared_source() -> None:
-    # A decode room in Granted has no timer but renew: once its source is cleared (claims to a
-    # cleared room are dropped) and the source's room_failed is lost, it renews forever.
-    res = explore_pull(PULL_PRESETS["pull-smoke"])
-    assert [v["name"] for v in res.violations] == ["no_leaked_blocks"]
-    v = res.violations[0]
-    assert "D0: Granted" in v["detail"]
-    assert any(label[0] == "lose" and label[1][2][0] == "room_failed" for label in v["trace"])
-
-
-@pytest.fixture
-def proposed_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Explore the protocol with the proposed fix on top (of the mutant, if any)."""
-    import kvfsm.check.pull_explore as pe
-
-    def protocol(mutant: str | None) -> Protocol:
-        spec = load_spec() if mutant is None else PULL_MUTANTS[mutant].transform(load_spec())
-        return Protocol(_machine(spec, "decode_pull", _bootstrap_while_granted), timeouts=TIMEOUTS)
-
-    monkeypatch.setattr(pe, "pull_protocol", protocol)
-
-
-@pytest.mark.usefixtures("proposed_fix")
-def test_pull_smoke_passes_with_the_proposed_fix() -> None:
+def test_pull_smoke_passes() -> None:
     res = explore_pull(PULL_PRESETS["pull-smoke"])
     assert res.ok and res.complete, res.violations
     assert all(res.witnessed.values()), res.witnessed  # a room succeeds, a renewal extends a lease
 
 
-@pytest.mark.usefixtures("proposed_fix")
+def test_a_decode_room_that_renews_toward_a_silent_source_was_a_leak() -> None:
+    """pull-smoke's first find: in Granted only the renew timer ran, so a decode room whose
+    source was cleared (claims to it dropped) and whose room_failed was lost renewed forever.
+    The bootstrap timer now bounds the sources' silence there (G5, H3); without it the checker
+    finds the leak again."""
+
+    def no_bootstrap_in_granted(ms: MachineSpec) -> MachineSpec:
+        def g5(r: RowSpec) -> RowSpec:  # as G5 was: the bootstrap timer cancelled, nothing bounding Granted
+            return replace(r, actions=tuple("cancel:bootstrap" if a == "arm:bootstrap" else a for a in r.actions))
+
+        rows = [g5(r) if r.id == "G5" else r for r in ms.rows]
+        return replace(ms, rows=tuple(rows))
+
+    import kvfsm.check.pull_explore as pe
+
+    old = pe.pull_protocol
+    try:
+        pe.pull_protocol = lambda mutant: Protocol(  # type: ignore[assignment]
+            _machine(load_spec(), "decode_pull", no_bootstrap_in_granted), timeouts=TIMEOUTS
+        )
+        res = explore_pull(PULL_PRESETS["pull-smoke"])
+    finally:
+        pe.pull_protocol = old
+    assert [v["name"] for v in res.violations] == ["no_leaked_blocks"]
+    assert "D0: Granted" in res.violations[0]["detail"]
+
+
 @pytest.mark.parametrize("name", sorted(PULL_MUTANTS))
 def test_each_pull_mutant_is_found_with_its_property(name: str) -> None:
     mutant = PULL_MUTANTS[name]
