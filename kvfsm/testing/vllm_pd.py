@@ -96,6 +96,7 @@ class EngineSpec:
     # VLLM_CPU_KVCACHE_SPACE (1 GiB here: 32768 blocks of this model, slow to register with NIXL)
     num_blocks: int | None = NUM_BLOCKS
     env: dict[str, str] = field(default_factory=dict)
+    tp: int = 1  # tensor-parallel size (worker processes)
 
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "kvfsm.testing.vllm_pd", "serve", "--model", self.model]
@@ -104,6 +105,8 @@ class EngineSpec:
             args += ["--kv", json.dumps(self.kv)]
         if self.num_blocks is not None:
             args += ["--num-blocks", str(self.num_blocks)]
+        if self.tp > 1:
+            args += ["--tp", str(self.tp)]
         return args
 
 
@@ -290,22 +293,30 @@ class PDPair:
         env: dict[str, str] | None = None,
         log_dir: str | None = None,
         prefill_num_blocks: int | None = NUM_BLOCKS,
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
     ) -> None:
-        def spec(role: str, blocks: int, num_blocks: int | None = NUM_BLOCKS) -> EngineSpec:
+        def spec(role: str, blocks: int, num_blocks: int | None = NUM_BLOCKS, tp: int = 1) -> EngineSpec:
             side = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
             kv = _kv_config(connector, role, module_path, extra_config)
-            return EngineSpec(model, kv, block_size=blocks, num_blocks=num_blocks, env={**side, **(env or {})})
+            return EngineSpec(model, kv, block_size=blocks, num_blocks=num_blocks, env={**side, **(env or {})}, tp=tp)
 
         def log(name: str) -> str | None:
             return os.path.join(log_dir, f"{name}.log") if log_dir else None
 
         # both start at once (start-up is mostly waiting on vLLM's own process hand-offs)
         self.prefill_engine = Engine(
-            spec("kv_producer", block_size, prefill_num_blocks), "prefill", log_path=log("prefill"), wait=False
+            spec("kv_producer", block_size, prefill_num_blocks, prefill_tp),
+            "prefill",
+            log_path=log("prefill"),
+            wait=False,
         )
         try:
             self.decode_engine = Engine(
-                spec("kv_consumer", decode_block_size or block_size), "decode", log_path=log("decode"), wait=False
+                spec("kv_consumer", decode_block_size or block_size, tp=decode_tp),
+                "decode",
+                log_path=log("decode"),
+                wait=False,
             )
         except BaseException:
             self.prefill_engine.kill()
@@ -414,6 +425,7 @@ def _serve(args: argparse.Namespace) -> int:
         seed=0,
         enable_prefix_caching=False,
         num_gpu_blocks_override=args.num_blocks,
+        tensor_parallel_size=args.tp,
         disable_log_stats=False,  # (request outputs then carry their timings)
         **kwargs,
     )
@@ -508,6 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     s.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     s.add_argument("--num-blocks", type=int, default=None)
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     args = ap.parse_args(argv)
     return _serve(args)
 

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(900)
 
 MODULE = "kvfsm.connectors.vllm"
 HOLD_S = 15.0  # prefill holds a finished request's blocks this long for its decode leg
+LEASE_S = 12.0  # pull: prefill keeps them this long after the last claim of a decode that died
 SMALL_BLOCKS = 24  # the small pair's prefill engine: three held 200-token requests take 21 of them
 
 
@@ -131,6 +132,7 @@ def test_decode_requests_aborted_mid_transfer_let_prefill_free_their_blocks(
 def test_a_killed_prefill_engine_fails_the_decode_request_within_its_bounds(
     small: PDPair, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
+    # (last on the small pair: its prefill engine is gone afterwards; pull: the next test)
     params = small.prefill(prompts[1:3])
     small.prefill_engine.kill()
     t0 = time.monotonic()
@@ -143,17 +145,36 @@ def test_a_killed_prefill_engine_fails_the_decode_request_within_its_bounds(
     assert [again[0]["tokens"]] == [reference[3]]
 
 
-def test_a_killed_decode_engine_lets_prefill_free_its_blocks_within_its_hold(
+def test_pull_a_killed_prefill_engine_fails_the_decode_request_within_its_bounds(
     model: str, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    """The decode engine dies while its legs are under way (before it registers its blocks, while
-    prefill writes, or after): whichever it is, prefill's rooms conclude (written, failed on the
-    lost peer, or expired on the hold timer) and their blocks are freed, so a request that needs
-    them runs; the prefill engine keeps serving another decode engine."""
+    """Pull: the decode legs claim from a prefill engine that is gone: their rooms fail (the link
+    lost, or no grant within the bootstrap timeout) and the decode engine keeps serving."""
     extra = {"hold_timeout_s": HOLD_S, "bootstrap_timeout_s": 10.0}
+    with PDPair(model, "KvfsmConnector", MODULE, extra) as p:
+        params = p.prefill(prompts[1:3], transfer_mode="pull")
+        p.prefill_engine.kill()
+        t0 = time.monotonic()
+        out = p.decode(prompts[1:3], params, MAX_TOKENS, timeout=90.0)
+        assert out == [[], []], out
+        assert time.monotonic() - t0 < 60.0
+        again = p.decode_engine.generate([prompts[3]], MAX_TOKENS)
+        assert [again[0]["tokens"]] == [reference[3]]
+
+
+@pytest.mark.parametrize(("mode", "bound"), [("push", HOLD_S), ("pull", LEASE_S)])
+def test_a_killed_decode_engine_lets_prefill_free_its_blocks_within_its_hold(
+    model: str, prompts: list[list[int]], reference: list[list[int]], mode: str, bound: float
+) -> None:
+    """The decode engine dies while its legs are under way (push: before it registers its blocks,
+    while prefill writes, or after; pull: before it claims, while it reads, or after): whichever
+    it is, prefill's rooms conclude (written or read, failed on the lost peer, or expired on the
+    hold timer or the lease) and their blocks are freed, so a request that needs them runs; the
+    prefill engine keeps serving another decode engine."""
+    extra = {"hold_timeout_s": HOLD_S, "bootstrap_timeout_s": 10.0, "lease_s": LEASE_S}
     with PDPair(model, "KvfsmConnector", MODULE, extra, prefill_num_blocks=SMALL_BLOCKS) as p:
         big = prompts[0]
-        params = p.prefill([big, big, big])
+        params = p.prefill([big, big, big], transfer_mode=mode)
         legs = threading.Thread(target=_swallow, args=(p.decode, [big] * 3, params, MAX_TOKENS), daemon=True)
         legs.start()
         time.sleep(0.3)
@@ -163,8 +184,8 @@ def test_a_killed_decode_engine_lets_prefill_free_its_blocks_within_its_hold(
         spec = EngineSpec(model, {"kv_connector": "KvfsmConnector", "kv_connector_module_path": MODULE,
                                   "kv_role": "kv_consumer"})  # fmt: skip
         with Engine(spec, "decode2") as second:
-            fresh = p.prefill([big], timeout=HOLD_S + 60)  # needs the blocks the three legs held
-            assert time.monotonic() - killed < HOLD_S + 90
+            fresh = p.prefill([big], transfer_mode=mode, timeout=bound + 60)  # needs the three legs' blocks
+            assert time.monotonic() - killed < max(HOLD_S, bound) + 90
             assert [o["tokens"] for o in second.generate([big], MAX_TOKENS, fresh)] == [reference[0]]
 
 
@@ -184,5 +205,16 @@ def test_different_block_sizes_equal_a_single_engine_in_both_modes(
     request's plan moves element runs inside the cells (kvfsm.layout.cells)."""
     extra = {"hold_timeout_s": HOLD_S, "bootstrap_timeout_s": 10.0}
     with PDPair(model, "KvfsmConnector", MODULE, extra, block_size=prefill_block, decode_block_size=decode_block) as p:
+        for mode in ("pull", "push"):
+            assert p.run(prompts, MAX_TOKENS, transfer_mode=mode) == reference, mode
+
+
+def test_a_tp2_prefill_engine_feeds_a_tp1_decode_engine_in_both_modes(
+    model: str, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """Prefill runs the model over two worker processes (one KV head each), decode over one: each
+    decode rank receives (push) or reads (pull) its two heads from the two prefill ranks."""
+    extra = {"hold_timeout_s": HOLD_S, "bootstrap_timeout_s": 10.0}
+    with PDPair(model, "KvfsmConnector", MODULE, extra, prefill_tp=2) as p:
         for mode in ("pull", "push"):
             assert p.run(prompts, MAX_TOKENS, transfer_mode=mode) == reference, mode

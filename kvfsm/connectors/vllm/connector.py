@@ -55,7 +55,7 @@ class KvfsmHandshake(KVConnectorHandshakeMetadata):
 
 
 class KvfsmConnector(KVConnectorBase_V1):
-    """kvfsm rooms as vLLM's KV connector (push mode); settings: ``VllmConnectorConfig``."""
+    """kvfsm rooms as vLLM's KV connector (push or pull per request); settings: ``VllmConnectorConfig``."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
