@@ -227,8 +227,25 @@ class Engine:
         ``abort`` right after its ``after_steps``-th step (an aborted prompt's tokens are what it
         had then). Per prompt also ``"aborted"``."""
         out = self.call(
-            timeout, op="generate_aborting", prompts=[list(p) for p in prompts], max_tokens=max_tokens,
+            timeout, op="generate_stepped", prompts=[list(p) for p in prompts], max_tokens=max_tokens,
             kv=list(kv_transfer_params), abort=list(abort), after_steps=after_steps,
+        )  # fmt: skip
+        results: list[dict[str, Any]] = out["outputs"]
+        return results
+
+    def generate_ids(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        kv_transfer_params: Sequence[dict[str, Any] | None],
+        request_ids: Sequence[str],
+        timeout: float = _REQUEST_TIMEOUT,
+    ) -> list[dict[str, Any]]:
+        """As ``generate``, under the given request ids (a proxy that sends a request's prefill
+        and decode legs at once under one id, as vLLM's push connector expects)."""
+        out = self.call(
+            timeout, op="generate_stepped", prompts=[list(p) for p in prompts], max_tokens=max_tokens,
+            kv=list(kv_transfer_params), ids=list(request_ids),
         )  # fmt: skip
         results: list[dict[str, Any]] = out["outputs"]
         return results
@@ -296,9 +313,14 @@ class PDPair:
         prefill_tp: int = 1,
         decode_tp: int = 1,
     ) -> None:
+        self.side_ports: dict[str, int] = {}  # role -> NIXL side channel port
+        self.engine_ids: dict[str, str] = {}  # role -> KVTransferConfig.engine_id
+
         def spec(role: str, blocks: int, num_blocks: int | None = NUM_BLOCKS, tp: int = 1) -> EngineSpec:
-            side = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+            port = self.side_ports[role] = free_port()
+            side = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
             kv = _kv_config(connector, role, module_path, extra_config)
+            kv["engine_id"] = self.engine_ids[role] = f"{role.removeprefix('kv_')}-{port}"
             return EngineSpec(model, kv, block_size=blocks, num_blocks=num_blocks, env={**side, **(env or {})}, tp=tp)
 
         def log(name: str) -> str | None:
@@ -440,7 +462,7 @@ def _serve(args: argparse.Namespace) -> int:
         if op == "quit":
             _emit({"bye": True})
             break
-        if op not in ("generate", "generate_aborting"):
+        if op not in ("generate", "generate_stepped"):
             _emit({"error": f"unknown op {op!r}"})
             continue
         try:
@@ -456,8 +478,8 @@ def _serve(args: argparse.Namespace) -> int:
                 for kv in kvs
             ]
             t = time.monotonic()
-            if op == "generate_aborting":
-                _emit(_generate_aborting(llm, cmd, sps))
+            if op == "generate_stepped":
+                _emit(_generate_stepped(llm, cmd, sps))
                 continue
             outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sps, use_tqdm=False)
             _emit(
@@ -488,27 +510,38 @@ def _kv_wait(metrics: Any) -> float | None:
     return scheduled - queued if queued and scheduled else None
 
 
-def _generate_aborting(llm: Any, cmd: dict[str, Any], sps: list[Any]) -> dict[str, Any]:
-    """``generate_aborting``: the requests added to the engine, stepped here, and those named in
-    ``cmd["abort"]`` aborted after the ``cmd["after_steps"]``-th step."""
+def _generate_stepped(llm: Any, cmd: dict[str, Any], sps: list[Any]) -> dict[str, Any]:
+    """``generate_stepped``: the requests added to the engine under ``cmd["ids"]`` (or ids of
+    our own), stepped here; those named in ``cmd["abort"]`` aborted after the
+    ``cmd["after_steps"]``-th step."""
     engine = llm.llm_engine
-    tag = f"abort{time.monotonic_ns()}"
-    ids = [f"{tag}-{i}" for i in range(len(cmd["prompts"]))]
+    tag = f"req{time.monotonic_ns()}"
+    ids = cmd.get("ids") or [f"{tag}-{i}" for i in range(len(cmd["prompts"]))]
     for rid, p, sp in zip(ids, cmd["prompts"], sps, strict=True):
         engine.add_request(rid, {"prompt_token_ids": p}, sp)
-    aborted = [ids[i] for i in cmd["abort"]]
-    got: dict[str, list[int]] = {}
+    aborted = [ids[i] for i in cmd.get("abort", [])]
+    got: dict[str, Any] = {}
     steps = 0
     while engine.has_unfinished_requests():
         for o in engine.step():
-            got[o.request_id] = list(o.outputs[0].token_ids) if o.outputs else []
+            got[o.request_id] = o
         steps += 1
-        if steps == cmd["after_steps"]:
+        if steps == cmd.get("after_steps", 0):
             engine.abort_request(aborted)
-    return {
-        "outputs": [{"tokens": got.get(rid, []), "aborted": rid in aborted} for rid in ids],
-        "steps": steps,
-    }
+
+    def out(rid: str) -> dict[str, Any]:
+        o = got.get(rid)
+        if o is None:
+            return {"tokens": [], "aborted": rid in aborted}
+        return {
+            "tokens": list(o.outputs[0].token_ids) if o.outputs else [],
+            "aborted": rid in aborted,
+            "kv_transfer_params": o.kv_transfer_params,
+            "ttft_s": getattr(o.metrics, "first_token_latency", None),
+            "kv_wait_s": _kv_wait(o.metrics),
+        }
+
+    return {"outputs": [out(rid) for rid in ids], "steps": steps}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

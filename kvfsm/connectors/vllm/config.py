@@ -10,6 +10,7 @@ from typing import Any
 from kvfsm.config import ConfigError, non_negative_int, one_of, positive, positive_int, setting, validate
 
 _HOLD_S = 60.0
+_PEER_TIMEOUT_S = 10.0
 _LEASE_S = 30.0
 _TRANSFER_S = 60.0
 _BOOTSTRAP_S = 30.0
@@ -81,6 +82,16 @@ class VllmConnectorConfig:
         _BOOTSTRAP_S,
         doc="Decode: how long a request waits for the handshake with the prefill ranks it reads from.",
         when="Longer where prefill engines start slowly after decode engines.",
+        check=positive,
+        must="a number of seconds > 0",
+    )
+    peer_timeout_s: float = setting(
+        _PEER_TIMEOUT_S,
+        doc="Both sides: a peer rank whose control connection answers no heartbeat for this long is "
+        "lost, and its requests fail (a crashed process is told at once). A decode engine that "
+        "lost a prefill engine's rank talks to it again through a fresh link at its next request.",
+        when="Longer where engines' workers are starved of CPU for seconds (more processes than "
+        "cores); shorter to fail requests of a frozen host sooner.",
         check=positive,
         must="a number of seconds > 0",
     )

@@ -116,10 +116,21 @@ class _Sending:
 
 
 @dataclass
+class _Decoder:
+    """A decode worker's manager for one prefill engine, its aux slots and what closes it."""
+
+    manager: DecodeManager
+    aux: np.ndarray
+    slots: _Slots
+    closers: list[Callable[[], None]]
+
+
+@dataclass
 class _Receiving:
     recv: Recv
     receiver: KVReceiver | KVPuller
     slot: int  # -1: none (pull)
+    decoder: _Decoder | None = None
     inited: bool = False
     aborted: bool = False
 
@@ -159,7 +170,9 @@ class WorkerSide:
         self.bootstrap: str | None = None
         self.name: str | None = None
         self._prefill: PrefillManager | None = None
-        self._decode: dict[PrefillAddress, DecodeManager] = {}
+        self._decode: dict[PrefillAddress, _Decoder] = {}
+        self._retiring: list[_Decoder] = []  # replaced after a lost link; closed once it has no room
+        self._links = 0  # decode managers created (each a name of its own)
         self._sends: dict[str, _Sending] = {}
         self._recvs: dict[str, _Receiving] = {}
         self._unreachable: list[Recv] = []  # receives that could not even start: failed at the next report
@@ -167,8 +180,6 @@ class WorkerSide:
         self._closers: list[Callable[[], None]] = []
         self._paux = np.zeros(config.aux_slots * AUX_BYTES, np.uint8)
         self._pslots = _Slots(config.aux_slots)
-        self._daux: dict[PrefillAddress, np.ndarray] = {}
-        self._dslots: dict[PrefillAddress, _Slots] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -209,17 +220,20 @@ class WorkerSide:
         )  # fmt: skip
         self._closers.insert(0, self._prefill.close)
 
-    def _endpoint(self, name: str, bootstrap: str, side: str) -> Any:
+    def _endpoint(self, name: str, bootstrap: str, side: str, closers: list[Callable[[], None]] | None = None) -> Any:
         from kvfsm.transport.base import SplitEndpoint
         from kvfsm.transport.nixl import NixlDataPlane
         from kvfsm.transport.zmq import ZmqControlPlane
+        from kvfsm.transport.zmq_config import ZmqConfig
 
         data = NixlDataPlane(name)
+        timeout = self.config.peer_timeout_s
         control = ZmqControlPlane(
-            name, bootstrap=bootstrap, side=side, rank=self.shape.tp_rank, bind=f"tcp://{self.config.host}:*"
-        )
+            name, bootstrap=bootstrap, side=side, rank=self.shape.tp_rank, bind=f"tcp://{self.config.host}:*",
+            config=ZmqConfig(heartbeat_s=min(1.0, timeout / 4), peer_timeout_s=timeout),
+        )  # fmt: skip
         endpoint = SplitEndpoint(control, data)
-        self._closers.append(endpoint.close)
+        (closers if closers is not None else self._closers).append(endpoint.close)
         return endpoint
 
     def handshake(self) -> tuple[str, str] | None:
@@ -228,15 +242,21 @@ class WorkerSide:
             return None
         return self.bootstrap, self.name
 
-    def _decode_manager(self, prefill: PrefillAddress) -> DecodeManager:
-        dm = self._decode.get(prefill)
-        if dm is None:
+    def _decoder(self, prefill: PrefillAddress) -> _Decoder:
+        d = self._decode.get(prefill)
+        if d is not None and any(d.manager.link_state(r) in ("lost", "refused") for r in range(len(prefill.names))):
+            # a link once lost stays lost on its plane: a fresh manager (a fresh name) links again;
+            # the old one retires once its rooms are gone
+            self._retiring.append(self._decode.pop(prefill))
+            d = None
+        if d is None:
             if self.layout is None:
                 raise LocalProtocolError("KvfsmConnector: KV caches are not registered yet")
-            name = f"kvfsm-{self.engine_id}/decode/{self.shape.tp_rank}/{self._nonce}/{len(self._decode)}"
-            endpoint = self._endpoint(name, prefill.bootstrap, "decode")
-            self._daux[prefill] = aux = np.zeros(self.config.aux_slots * AUX_BYTES, np.uint8)
-            self._dslots[prefill] = _Slots(self.config.aux_slots)
+            self._links += 1
+            name = f"kvfsm-{self.engine_id}/decode/{self.shape.tp_rank}/{self._nonce}/{self._links}"
+            closers: list[Callable[[], None]] = []
+            endpoint = self._endpoint(name, prefill.bootstrap, "decode", closers)
+            aux = np.zeros(self.config.aux_slots * AUX_BYTES, np.uint8)
             # the id prefill ranks know this rank by: its own, not its TP rank, so that several
             # decode engines can receive from one prefill engine at once
             rank = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little") >> 1
@@ -244,10 +264,10 @@ class WorkerSide:
                 rank, endpoint, prefill_peers=dict(enumerate(prefill.names)), kv=self._tensors,
                 aux=aux, aux_slot_bytes=AUX_BYTES, layout=self.layout, config=self.runtime_config(),
             )  # fmt: skip
-            self._closers.insert(0, dm.close)
+            closers.insert(0, dm.close)
             dm.connect()
-            self._decode[prefill] = dm
-        return dm
+            d = self._decode[prefill] = _Decoder(dm, aux, _Slots(self.config.aux_slots), closers)
+        return d
 
     # -- every step -----------------------------------------------------------------------------
 
@@ -290,14 +310,18 @@ class WorkerSide:
 
     def _recv(self, recv: Recv) -> None:
         try:
-            dm = self._decode_manager(recv.prefill)
+            d = self._decoder(recv.prefill)
             if recv.mode == "pull":
-                puller = dm.create_puller(recv.room, tokens=recv.tokens)
-                r = _Receiving(recv, puller, -1, inited=True)
+                puller = d.manager.create_puller(recv.room, tokens=recv.tokens)
+                r = _Receiving(recv, puller, -1, d, inited=True)
                 puller.init(list(recv.pages), recv.tokens)
             else:
-                slot = self._dslots[recv.prefill].take()
-                r = _Receiving(recv, dm.create_receiver(recv.room), slot)
+                slot = d.slots.take()
+                try:
+                    r = _Receiving(recv, d.manager.create_receiver(recv.room), slot, d)
+                except BaseException:
+                    d.slots.give(slot)
+                    raise
         except Exception as exc:  # noqa: BLE001 - an unreachable prefill engine fails this request only
             log.warning("KvfsmConnector: cannot receive %s from %s: %r", recv.req_id, recv.prefill.bootstrap, exc)
             self._unreachable.append(recv)
@@ -345,10 +369,11 @@ class WorkerSide:
                 out.failed.add(rid)
                 out.bad_blocks.update(r.recv.pages)
             r.receiver.clear()
-            if r.slot >= 0:
-                self._dslots[r.recv.prefill].give(r.slot)
+            if r.slot >= 0 and r.decoder is not None:
+                r.decoder.slots.give(r.slot)
             del self._recvs[rid]
             out.recving.add(rid)
+        self._retire()
         return out
 
     @staticmethod
@@ -357,10 +382,26 @@ class WorkerSide:
         return rc.pages_fenced() if isinstance(rc, KVReceiver) else rc.pages_in_use()
 
     def _aux_tokens(self, r: _Receiving) -> int:
-        raw = self._daux[r.recv.prefill][r.slot * AUX_BYTES : (r.slot + 1) * AUX_BYTES]
+        assert r.decoder is not None
+        raw = r.decoder.aux[r.slot * AUX_BYTES : (r.slot + 1) * AUX_BYTES]
         return int(np.frombuffer(raw.tobytes(), np.uint64)[0])
 
+    def _retire(self) -> None:
+        """Close the replaced managers whose rooms are all gone."""
+        for d in [d for d in self._retiring if d.manager.live_rooms() == 0]:
+            self._retiring.remove(d)
+            for close in d.closers:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - a retired link: close the rest
+                    log.exception("KvfsmConnector: close failed")
+
     def close(self) -> None:
+        self._retiring += self._decode.values()
+        self._decode.clear()
+        for d in self._retiring:
+            self._closers[:0] = d.closers
+        self._retiring.clear()
         for close in self._closers:
             try:
                 close()
