@@ -97,7 +97,11 @@ def test_a_tp2_prefill_engine_feeds_a_tp1_decode_engine_in_both_modes(
 ) -> None:
     """Prefill runs the model over two worker processes (one KV head each), decode over one: each
     decode rank receives (push) or reads (pull) its two heads from the two prefill ranks."""
-    with PDPair(model, "KvfsmConnector", MODULE, EXTRA, prefill_tp=2, log_dir=str(tmp_path)) as p:
+    # three worker processes on two CPUs: OpenMP threads that spin while idle starve the others'
+    # control planes for many seconds (heartbeats missed, links lost); let them sleep instead
+    env = {"OMP_WAIT_POLICY": "PASSIVE"}
+    extra = {**EXTRA, "peer_timeout_s": 30.0}
+    with PDPair(model, "KvfsmConnector", MODULE, extra, prefill_tp=2, env=env, log_dir=str(tmp_path)) as p:
         for mode in ("pull", "push"):
             got = _run(p, prompts, mode)
             if got != reference:
