@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvfsm.layout import verify_plan
 from kvfsm.protocol import LocalProtocolError
 from kvfsm.protocol.actions import PostRead
-from kvfsm.protocol.events import PagesAllocated, ReadCompleted, ReadFailed
+from kvfsm.protocol.events import Abort, PagesAllocated, ReadCompleted, ReadFailed
 from kvfsm.protocol.rooms import PullSource
 from kvfsm.runtime.manager import RoomHandle, RoomRuntime, log
 from kvfsm.runtime.pages import as_index, as_pages, coalesce
@@ -85,17 +85,11 @@ def offer(manager: PrefillManager, rid: int, pages: Sequence[int] | Any, tokens:
     with manager._lock:
         decision = manager._new_room(rid, PullSource(rid, manager.rank, pages, n, size), manager.pull_machine)
         if decision.abort:
-            manager._dispatch(rid, _abort(manager._failures.pop(rid, "claim expired")))
+            manager._dispatch(rid, Abort(manager._failures.pop(rid, "claim expired")))
         if decision.replay:
             for _peer, event in manager._early.pop(rid):
                 manager._dispatch(rid, event)
     return KVOffer(manager, rid)
-
-
-def _abort(reason: str) -> Any:
-    from kvfsm.protocol.events import Abort
-
-    return Abort(reason)
 
 
 def read_segments(manager: DecodeManager, a: PostRead) -> Sequence[Segment]:
