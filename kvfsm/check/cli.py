@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from kvfsm.check.explore import CheckResult, components, explore, explore_reduced, print_progress
+from kvfsm.check.explore import CheckResult, components, explore, explore_reduced, print_outcome, print_progress
 from kvfsm.check.model import CheckConfig
 from kvfsm.check.mutants import MUTANTS
 from kvfsm.check.pull_explore import PULL_MUTANTS, PULL_PRESETS, pull_main
@@ -150,18 +150,7 @@ def _print_result(res: CheckResult, cfg: CheckConfig, parts: list[Any]) -> None:
         print(f"  take no part (no destination, nobody waits for them): {', '.join(idle)}")
     if res.symmetries > 1:
         print(f"  symmetry reduction: one state per orbit of {res.symmetries} renamings of rooms and ranks")
-    print(f"  {res.distinct_states:,} distinct states, {res.edges:,} edges, depth {res.max_depth}, "
-          f"{res.seconds:.2f} s, {res.states_per_second:,.0f} states/s, complete: {res.complete}")  # fmt: skip
-    print("  sometimes: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in sorted(res.witnessed.items())))
-    if not res.violations:
-        print("  every property holds")
-        return
-    for v in res.violations:
-        print(f"\nVIOLATION {v['name']}" + (f": {v['detail']}" if v.get("detail") else ""))
-        for i, label in enumerate(v["trace"], 1):
-            print(f"  {i:>3}. {json.dumps(label)}")
-        if v["trace"]:
-            print("\n```mermaid\n" + mermaid(v["trace"], cfg) + "\n```")
+    print_outcome(res, json.dumps, lambda trace: "\n```mermaid\n" + mermaid(trace, cfg) + "\n```")
 
 
 def main(args: argparse.Namespace) -> int:

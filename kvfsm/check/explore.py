@@ -247,6 +247,26 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def print_outcome(
+    res: CheckResult, text: Callable[[Any], str], after_trace: Callable[[list[Any]], str] | None = None
+) -> None:
+    """The lines every ``kvfsm check`` prints after its header: the run's figures, the
+    ``sometimes`` properties seen, and each violation with its numbered trace (``text`` writes a
+    step; ``after_trace``, if given, adds a block after a non-empty trace)."""
+    print(f"  {res.distinct_states:,} distinct states, {res.edges:,} edges, depth {res.max_depth}, "
+          f"{res.seconds:.2f} s, {res.states_per_second:,.0f} states/s, complete: {res.complete}")  # fmt: skip
+    print("  sometimes: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in sorted(res.witnessed.items())))
+    if not res.violations:
+        print("  every property holds")
+        return
+    for v in res.violations:
+        print(f"\nVIOLATION {v['name']}" + (f": {v['detail']}" if v.get("detail") else ""))
+        for i, label in enumerate(v["trace"], 1):
+            print(f"  {i:>3}. {text(label)}")
+        if v["trace"] and after_trace is not None:
+            print(after_trace(v["trace"]))
+
+
 def print_progress(states: int, edges: int, depth: int) -> None:
     print(f"\r  {states:>10,} states  {edges:>12,} edges  depth {depth}", end="", file=sys.stderr, flush=True)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvfsm.check.explore import CheckResult
+from kvfsm.check.explore import CheckResult, print_outcome
 from kvfsm.check.mutants import _drop_actions, _machine, _rows
 from kvfsm.check.properties import load_properties
 from kvfsm.check.pull_model import TIMEOUTS, Label, PullConfig, PullModel, State
@@ -215,16 +215,7 @@ def print_pull_result(res: CheckResult, cfg: PullConfig) -> None:
     print(f"kvfsm check ({mode}, pull): {cfg.prefill_ranks} P x {cfg.decode_ranks} D ranks, 1 room, "
           f"loss {cfg.loss}, dup {cfg.dup}, crash {cfg.crash}, aborts {cfg.aborts}, early {cfg.early}, "
           f"max epoch {cfg.max_epoch}, timers {TIMEOUTS}")  # fmt: skip
-    print(f"  {res.distinct_states:,} distinct states, {res.edges:,} edges, depth {res.max_depth}, "
-          f"{res.seconds:.2f} s, {res.states_per_second:,.0f} states/s, complete: {res.complete}")  # fmt: skip
-    print("  sometimes: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in sorted(res.witnessed.items())))
-    if not res.violations:
-        print("  every property holds")
-        return
-    for v in res.violations:
-        print(f"\nVIOLATION {v['name']}" + (f": {v['detail']}" if v.get("detail") else ""))
-        for i, label in enumerate(v["trace"], 1):
-            print(f"  {i:>3}. {describe(label)}")
+    print_outcome(res, describe)
 
 
 def pull_config(args: argparse.Namespace) -> PullConfig:
