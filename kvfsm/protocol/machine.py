@@ -360,25 +360,24 @@ class Protocol:
     def machine_for(self, side: str, timeouts: dict[str, float] | None = None) -> RoomMachine:
         """The machine of ``side``; with ``timeouts`` (timer -> seconds, timers of the other side
         ignored) a separate machine with those deadlines."""
-        base = self.prefill if side == "prefill" else self.decode
-        if not timeouts:
-            return base
-        known = set(self.prefill.timeouts) | set(self.decode.timeouts)
-        unknown = set(timeouts) - known
-        if unknown:
-            raise LocalProtocolError(f"unknown timers {sorted(unknown)}; timers are {sorted(known)}")
-        mine = {k: v for k, v in timeouts.items() if k in base.timeouts}
-        return RoomMachine(base.spec, self.spec.kvpoll, mine)
+        return self._with_timeouts(side, (self.prefill, self.decode), timeouts, "timers")
 
     def pull_machine_for(self, side: str, timeouts: dict[str, float] | None = None) -> RoomMachine:
         """The pull-mode machine of ``side``; with ``timeouts`` (timer -> seconds, timers of the
         other side's pull machine ignored) a separate machine with those deadlines."""
-        base = self.prefill_pull if side == "prefill" else self.decode_pull
+        return self._with_timeouts(side, (self.prefill_pull, self.decode_pull), timeouts, "pull timers")
+
+    def _with_timeouts(
+        self, side: str, pair: tuple[RoomMachine, RoomMachine], timeouts: dict[str, float] | None, what: str
+    ) -> RoomMachine:
+        """``side``'s machine of ``pair`` (prefill's, decode's), rebuilt with ``timeouts`` where
+        given; a timer neither machine has is refused."""
+        base = pair[0] if side == "prefill" else pair[1]
         if not timeouts:
             return base
-        known = set(self.prefill_pull.timeouts) | set(self.decode_pull.timeouts)
+        known = set(pair[0].timeouts) | set(pair[1].timeouts)
         unknown = set(timeouts) - known
         if unknown:
-            raise LocalProtocolError(f"unknown pull timers {sorted(unknown)}; they are {sorted(known)}")
+            raise LocalProtocolError(f"unknown {what} {sorted(unknown)}; they are {sorted(known)}")
         mine = {k: v for k, v in timeouts.items() if k in base.timeouts}
         return RoomMachine(base.spec, self.spec.kvpoll, mine)
